@@ -1,0 +1,1 @@
+//! gms-client (placeholder until its issue lands).

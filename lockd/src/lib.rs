@@ -1,0 +1,1 @@
+//! lockd (placeholder until its issue lands).

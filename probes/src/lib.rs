@@ -1,0 +1,1 @@
+//! probes (placeholder until its issue lands).

@@ -1,0 +1,1 @@
+//! supervisor (placeholder until its issue lands).
