@@ -1,1 +1,276 @@
-//! probes (placeholder until its issue lands).
+//! Kubernetes probes for `supervisor run`: `/startup`, `/live`, `/ready`, `/state`, `/metrics`.
+//!
+//! Probes answer from state held in memory ([`ProbeState`]) and never call into the engine: the
+//! supervisor's driver polls the engine's health in the background and writes the result here,
+//! so a probe costs one read lock and stays fast while the engine (or the machine) is loaded.
+//!
+//! * [`verdict`] holds the pure decision functions (phase + health + clock -> 200/503),
+//! * [`metrics`] the Prometheus text rendering,
+//! * [`server`] the hyper HTTP/1 server.
+
+pub mod metrics;
+pub mod server;
+pub mod verdict;
+
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+
+pub use metrics::Metrics;
+pub use server::{serve, ProbeError};
+pub use verdict::{live, ready, startup, ProbeView};
+
+/// The externally visible lifecycle phase of the engine (interfaces.md: `/state.state`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Engine loading (model load, graph capture), or being put to sleep for the first time.
+    Init,
+    /// Engine initialised and asleep; waiting for the lock.
+    Standby,
+    /// Lock granted; the engine is being woken up.
+    Waking,
+    /// Engine awake, holding the lock, serving.
+    Active,
+    /// Terminal: the engine is dead or being fenced; the supervisor is about to exit.
+    Dead,
+}
+
+impl Phase {
+    /// Every phase, in lifecycle order (for exhaustive tests and metric rendering).
+    pub const ALL: [Phase; 5] = [
+        Phase::Init,
+        Phase::Standby,
+        Phase::Waking,
+        Phase::Active,
+        Phase::Dead,
+    ];
+
+    /// Lower-case name, as in `/state` and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Init => "init",
+            Phase::Standby => "standby",
+            Phase::Waking => "waking",
+            Phase::Active => "active",
+            Phase::Dead => "dead",
+        }
+    }
+
+    /// Index into [`Phase::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One entered phase, with a wall-clock time so that drills can compare across processes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Transition {
+    /// The phase entered.
+    pub to: Phase,
+    /// Wall-clock time of entry, microseconds since the Unix epoch.
+    pub at_unix_us: i64,
+}
+
+/// A named point in time on the failover path, for the `/state` breakdown (drills and the
+/// benchmark compute "death detected -> tree reaped -> lock granted -> woken" from these).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Mark {
+    /// What happened (`engine_spawned`, `lock_granted`, `engine_exit_detected`, `fenced`, ...).
+    pub what: String,
+    /// Wall-clock time, microseconds since the Unix epoch.
+    pub at_unix_us: i64,
+}
+
+/// Everything the probes answer from. Written by the supervisor's driver, read by handlers.
+#[derive(Clone, Debug)]
+pub struct Status {
+    /// Engine id from `--engine-id` (a label on every metric, a field of `/state`).
+    pub engine_id: u32,
+    /// `primary` or `shadow` (label and `/state` field).
+    pub role: String,
+    /// Current phase.
+    pub phase: Phase,
+    /// When the current phase was entered (monotonic, for `since_ms`).
+    pub phase_since: Instant,
+    /// Result of the last background health check; meaningful in Active.
+    pub engine_healthy: bool,
+    /// End of the waking budget while Waking: `/live` turns 503 once it has passed.
+    pub waking_deadline: Option<Instant>,
+    /// Lock epoch of the current grant (the engine cannot receive it in its environment
+    /// because it is already running when the grant arrives, so it is exposed here).
+    pub epoch: Option<u64>,
+    /// Pid of the engine process (in the supervisor's PID namespace).
+    pub engine_pid: Option<u32>,
+    /// Every phase entered, oldest first.
+    pub transitions: Vec<Transition>,
+    /// Named points in time (see [`Mark`]).
+    pub marks: Vec<Mark>,
+    /// Whether the lock connection is currently up (false between Disconnected and Reconnected).
+    pub lock_connected: bool,
+    /// Why the supervisor went Dead (exit reason), once it has.
+    pub dead_reason: Option<String>,
+}
+
+impl Status {
+    /// Fresh status in Init, entered now.
+    pub fn new(engine_id: u32, role: impl Into<String>) -> Status {
+        Status {
+            engine_id,
+            role: role.into(),
+            phase: Phase::Init,
+            phase_since: Instant::now(),
+            engine_healthy: false,
+            waking_deadline: None,
+            epoch: None,
+            engine_pid: None,
+            transitions: vec![Transition {
+                to: Phase::Init,
+                at_unix_us: unix_us_now(),
+            }],
+            marks: Vec::new(),
+            lock_connected: false,
+            dead_reason: None,
+        }
+    }
+
+    /// The inputs of the pure probe verdicts.
+    pub fn view(&self) -> ProbeView {
+        ProbeView {
+            phase: self.phase,
+            engine_healthy: self.engine_healthy,
+            waking_deadline: self.waking_deadline,
+        }
+    }
+
+    /// The `/state` document.
+    pub fn state_json(&self, now: Instant) -> serde_json::Value {
+        let since_ms = now.saturating_duration_since(self.phase_since).as_millis() as u64;
+        let marks: serde_json::Map<String, serde_json::Value> = self
+            .marks
+            .iter()
+            .map(|m| (m.what.clone(), serde_json::Value::from(m.at_unix_us)))
+            .collect();
+        serde_json::json!({
+            "state": self.phase,
+            "engine_id": self.engine_id,
+            "role": self.role,
+            "epoch": self.epoch,
+            "since_ms": since_ms,
+            "engine_pid": self.engine_pid,
+            "transitions": self.transitions,
+            "healthy": self.engine_healthy,
+            "lock_connected": self.lock_connected,
+            "dead_reason": self.dead_reason,
+            "marks": marks,
+        })
+    }
+}
+
+/// Shared handle on the probe state and metrics (cheap to clone).
+#[derive(Clone, Debug)]
+pub struct ProbeState {
+    /// The status, behind a std RwLock that is never held across an await.
+    status: Arc<RwLock<Status>>,
+    /// Counters and histograms rendered at `/metrics`.
+    metrics: Arc<Metrics>,
+}
+
+impl ProbeState {
+    /// New shared state for one engine.
+    pub fn new(status: Status) -> ProbeState {
+        let metrics = Arc::new(Metrics::new(status.engine_id, &status.role));
+        ProbeState {
+            status: Arc::new(RwLock::new(status)),
+            metrics,
+        }
+    }
+
+    /// Read access (a poisoned lock is recovered: the data is plain values).
+    pub fn read(&self) -> RwLockReadGuard<'_, Status> {
+        self.status.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Write access.
+    pub fn write(&self) -> RwLockWriteGuard<'_, Status> {
+        self.status.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The metrics registry.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Record a named point in time (see [`Mark`]).
+    pub fn mark(&self, what: &str) {
+        let at = unix_us_now();
+        self.write().marks.push(Mark {
+            what: what.to_string(),
+            at_unix_us: at,
+        });
+    }
+
+    /// Enter `phase` now: records the transition (wall clock), resets `since`, counts it.
+    /// Returns the wall-clock timestamp recorded.
+    pub fn enter(&self, phase: Phase, waking_deadline: Option<Instant>) -> i64 {
+        let at = unix_us_now();
+        {
+            let mut s = self.write();
+            s.phase = phase;
+            s.phase_since = Instant::now();
+            s.waking_deadline = waking_deadline;
+            s.transitions.push(Transition {
+                to: phase,
+                at_unix_us: at,
+            });
+        }
+        self.metrics.transition(phase);
+        at
+    }
+}
+
+/// Wall-clock now in microseconds since the Unix epoch (0 if the clock is before 1970).
+pub fn unix_us_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_json_has_interface_fields() {
+        let st = ProbeState::new(Status::new(3, "shadow"));
+        st.enter(Phase::Standby, None);
+        st.write().epoch = Some(7);
+        let v = st.read().state_json(Instant::now());
+        assert_eq!(v["state"], "standby");
+        assert_eq!(v["engine_id"], 3);
+        assert_eq!(v["role"], "shadow");
+        assert_eq!(v["epoch"], 7);
+        assert!(v["since_ms"].is_u64());
+        assert!(v["engine_pid"].is_null());
+        let tr = v["transitions"].as_array().unwrap();
+        assert_eq!(tr.len(), 2);
+        assert_eq!(tr[0]["to"], "init");
+        assert_eq!(tr[1]["to"], "standby");
+        assert!(tr[1]["at_unix_us"].as_i64().unwrap() >= tr[0]["at_unix_us"].as_i64().unwrap());
+    }
+
+    #[test]
+    fn phase_index_matches_all() {
+        for (i, p) in Phase::ALL.iter().enumerate() {
+            assert_eq!(p.index(), i);
+        }
+    }
+}

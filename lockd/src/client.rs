@@ -1,0 +1,725 @@
+//! The async client library (contract: docs/CONTRACTS.md).
+//!
+//! One [`LockClient`] is one session: a background task owns the connection, turns server
+//! events into [`LockEvent`]s, and when the connection breaks it reconnects on its own,
+//! re-queues pending acquires and reclaims held leases with their secret token. A held lease
+//! that cannot be reclaimed within `reconnect_timeout` is reported as [`LockEvent::Lost`].
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpStream, UnixStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::line::LineBuf;
+use crate::proto::{self, Event, Request};
+use crate::Endpoint;
+
+/// Longest event line the client accepts (status reports can be large).
+const MAX_EVENT_LINE: usize = 4 * 1024 * 1024;
+
+/// Client settings.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Limit for one connection attempt.
+    pub connect_timeout: Duration,
+    /// How long to try to reclaim a held lease after the connection broke; keep it longer
+    /// than lockd's reconnect window plus its restart time.
+    pub reconnect_timeout: Duration,
+    /// Name used in this client's logs.
+    pub label: Option<String>,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            connect_timeout: Duration::from_secs(2),
+            reconnect_timeout: Duration::from_secs(15),
+            label: None,
+        }
+    }
+}
+
+/// What the owner of a [`LockClient`] is told.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LockEvent {
+    /// The acquire is queued; position 1 is next.
+    Queued {
+        /// Resource.
+        resource: String,
+        /// 1-based place in line.
+        position: usize,
+    },
+    /// Answer to acquire(wait=false): someone else holds it.
+    Busy {
+        /// Resource.
+        resource: String,
+        /// Current holder's name.
+        holder: Option<String>,
+    },
+    /// The lease is ours (again, when `reclaimed`).
+    Granted {
+        /// Resource.
+        resource: String,
+        /// Fencing epoch.
+        epoch: u64,
+        /// True after a reconnect when the same lease (same epoch) was taken back.
+        reclaimed: bool,
+    },
+    /// An operator revoked our lease: fence yourself and let go.
+    Revoked {
+        /// Resource.
+        resource: String,
+        /// Epoch of the revoked lease.
+        epoch: u64,
+        /// Operator's reason.
+        reason: String,
+    },
+    /// The connection broke; the client is reconnecting on its own.
+    Disconnected {
+        /// Why it broke.
+        cause: String,
+    },
+    /// A new connection is up; waiters re-queued, held leases being reclaimed.
+    Reconnected,
+    /// A held lease could not be reclaimed in time, or the reclaim was refused: fence yourself.
+    Lost {
+        /// Resource.
+        resource: String,
+        /// Epoch of the lost lease.
+        epoch: u64,
+        /// Why.
+        cause: String,
+    },
+    /// lockd answered a request with an error.
+    Error {
+        /// Stable code (see PROTOCOL.md).
+        code: String,
+        /// Detail.
+        message: String,
+    },
+}
+
+/// Client failures.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The connection attempt failed.
+    #[error("cannot connect to {endpoint}: {source}")]
+    Connect {
+        /// Where to.
+        endpoint: String,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// The connection attempt did not finish within `connect_timeout`.
+    #[error("connecting to {endpoint} timed out after {after:?}")]
+    ConnectTimeout {
+        /// Where to.
+        endpoint: String,
+        /// The limit.
+        after: Duration,
+    },
+    /// A name is empty, too long or contains control characters.
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    /// The client was closed (or its task ended).
+    #[error("the lock client is closed")]
+    Closed,
+}
+
+/// The connection, whichever transport it uses.
+enum Stream {
+    /// Unix stream socket (SO_PEERCRED identifies us to lockd).
+    Unix(UnixStream),
+    /// TCP (engines spanning nodes).
+    Tcp(TcpStream),
+}
+
+impl Stream {
+    async fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.read(buf).await,
+            Stream::Tcp(s) => s.read(buf).await,
+        }
+    }
+    async fn write_all(&mut self, b: &[u8]) -> std::io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.write_all(b).await,
+            Stream::Tcp(s) => s.write_all(b).await,
+        }
+    }
+    fn raw_fd(&self) -> RawFd {
+        match self {
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+}
+
+async fn connect_once(ep: &Endpoint, timeout: Duration) -> Result<Stream, ClientError> {
+    let fut = async {
+        match ep {
+            Endpoint::Unix(p) => UnixStream::connect(p).await.map(Stream::Unix),
+            Endpoint::Tcp(hp) => {
+                let s = TcpStream::connect(hp.as_str()).await?;
+                let _ = s.set_nodelay(true);
+                Ok(Stream::Tcp(s))
+            }
+        }
+    };
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(Ok(s)) => Ok(s),
+        Ok(Err(source)) => Err(ClientError::Connect {
+            endpoint: ep.to_string(),
+            source,
+        }),
+        Err(_) => Err(ClientError::ConnectTimeout {
+            endpoint: ep.to_string(),
+            after: timeout,
+        }),
+    }
+}
+
+/// A request from the owner to the background task (each acknowledged once sent or stored).
+enum Cmd {
+    /// Queue for / try a resource.
+    Acquire {
+        /// Resource.
+        resource: String,
+        /// Holder name.
+        holder: String,
+        /// Queue (true) or try once (false).
+        wait: bool,
+        /// Acknowledged once written (or stored for the next connection).
+        ack: oneshot::Sender<()>,
+    },
+    /// Give up a lease or a queued acquire.
+    Release {
+        /// Resource.
+        resource: String,
+        /// Acknowledged once written (or applied locally while disconnected).
+        ack: oneshot::Sender<()>,
+    },
+    /// Close for good.
+    Close {
+        /// Acknowledged once the connection is closed.
+        ack: oneshot::Sender<()>,
+    },
+}
+
+/// One session with lockd (one connection, re-established after breaks).
+pub struct LockClient {
+    /// Commands to the background task.
+    cmds: mpsc::UnboundedSender<Cmd>,
+    /// Events from the background task.
+    events: mpsc::UnboundedReceiver<LockEvent>,
+    /// The raw fd of the current connection (None while disconnected), for `inheritable_fd`.
+    fd: Arc<Mutex<Option<RawFd>>>,
+    /// The background task.
+    task: tokio::task::JoinHandle<()>,
+}
+
+fn check(what: &str, s: &str) -> Result<(), ClientError> {
+    if s.is_empty() || s.len() > proto::MAX_NAME_LEN || s.chars().any(|c| c.is_control()) {
+        return Err(ClientError::Invalid(format!(
+            "{what} must be 1..={} bytes without control characters",
+            proto::MAX_NAME_LEN
+        )));
+    }
+    Ok(())
+}
+
+impl LockClient {
+    /// Connect (one attempt bounded by `connect_timeout`) and start the session.
+    pub async fn connect(
+        endpoint: &Endpoint,
+        opts: ClientOptions,
+    ) -> Result<LockClient, ClientError> {
+        let mut stream = connect_once(endpoint, opts.connect_timeout).await?;
+        // A request right away, so that lockd's idle timeout never closes a quiet owner.
+        stream
+            .write_all(proto::encode_request(&Request::Ping).as_bytes())
+            .await
+            .map_err(|source| ClientError::Connect {
+                endpoint: endpoint.to_string(),
+                source,
+            })?;
+        let fd = Arc::new(Mutex::new(Some(stream.raw_fd())));
+        let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+        let (ev_tx, ev_rx) = mpsc::unbounded_channel();
+        let task = Task {
+            endpoint: endpoint.clone(),
+            label: opts.label.clone().unwrap_or_else(|| "lockd-client".into()),
+            opts,
+            events: ev_tx,
+            fd: fd.clone(),
+            held: BTreeMap::new(),
+            waiting: BTreeMap::new(),
+            lost_deadline: None,
+            close_ack: None,
+        };
+        let handle = tokio::spawn(task.run(stream, cmd_rx));
+        Ok(LockClient {
+            cmds: cmd_tx,
+            events: ev_rx,
+            fd,
+            task: handle,
+        })
+    }
+
+    /// A dup of the CURRENT connection's socket, without FD_CLOEXEC, for a child to inherit.
+    pub fn inheritable_fd(&self) -> std::io::Result<OwnedFd> {
+        let guard = self
+            .fd
+            .lock()
+            .map_err(|_| std::io::Error::other("fd slot poisoned"))?;
+        let Some(fd) = *guard else {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotConnected,
+                "not connected to lockd",
+            ));
+        };
+        // SAFETY: `fd` is open while the guard is held (the task closes it only under the lock);
+        // F_DUPFD returns a new descriptor without FD_CLOEXEC, which we then own.
+        let new = unsafe { libc::fcntl(fd, libc::F_DUPFD, 3) };
+        if new < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `new` is a fresh descriptor owned by nobody else.
+        Ok(unsafe { OwnedFd::from_raw_fd(new) })
+    }
+
+    /// Queue for `resource` (wait=true) or try once (wait=false → Granted or Busy).
+    /// Returns once the request is sent (or stored for the next connection).
+    pub async fn acquire(
+        &mut self,
+        resource: &str,
+        holder: &str,
+        wait: bool,
+    ) -> Result<(), ClientError> {
+        check("resource", resource)?;
+        check("holder", holder)?;
+        let (ack, rx) = oneshot::channel();
+        self.cmds
+            .send(Cmd::Acquire {
+                resource: resource.into(),
+                holder: holder.into(),
+                wait,
+                ack,
+            })
+            .map_err(|_| ClientError::Closed)?;
+        rx.await.map_err(|_| ClientError::Closed)
+    }
+
+    /// Release a held lease or cancel a queued acquire.
+    pub async fn release(&mut self, resource: &str) -> Result<(), ClientError> {
+        check("resource", resource)?;
+        let (ack, rx) = oneshot::channel();
+        self.cmds
+            .send(Cmd::Release {
+                resource: resource.into(),
+                ack,
+            })
+            .map_err(|_| ClientError::Closed)?;
+        rx.await.map_err(|_| ClientError::Closed)
+    }
+
+    /// The next event; cancel-safe. None when the client is closed for good.
+    pub async fn next_event(&mut self) -> Option<LockEvent> {
+        self.events.recv().await
+    }
+
+    /// Close the connection (drops the lease on the server if held and not inherited).
+    pub async fn close(self) {
+        let (ack, rx) = oneshot::channel();
+        if self.cmds.send(Cmd::Close { ack }).is_ok() {
+            let _ = rx.await;
+        }
+        let _ = self.task.await;
+    }
+}
+
+/// A lease this client holds (or is reclaiming).
+struct Held {
+    /// Holder name.
+    holder: String,
+    /// Epoch.
+    epoch: u64,
+    /// Reclaim secret.
+    token: String,
+    /// False between a reconnect and the server's reclaim answer.
+    confirmed: bool,
+}
+
+/// The background task that owns the connection.
+struct Task {
+    /// Where to (re)connect.
+    endpoint: Endpoint,
+    /// Name in logs.
+    label: String,
+    /// Timeouts.
+    opts: ClientOptions,
+    /// Events to the owner.
+    events: mpsc::UnboundedSender<LockEvent>,
+    /// Shared with [`LockClient::inheritable_fd`]: the current connection's fd.
+    fd: Arc<Mutex<Option<RawFd>>>,
+    /// Leases held (or being reclaimed), with their reclaim tokens.
+    held: BTreeMap<String, Held>,
+    /// Acquires sent (or to send) and not yet answered with granted/busy: resource → (holder, wait).
+    waiting: BTreeMap<String, (String, bool)>,
+    /// Held leases not confirmed by this deadline are lost.
+    lost_deadline: Option<Instant>,
+    /// Set by `close()`: answered once the connection is closed.
+    close_ack: Option<oneshot::Sender<()>>,
+}
+
+/// How a connected phase ended.
+enum Flow {
+    /// The owner closed the client.
+    Closed,
+    /// The connection broke (cause for the owner and the logs).
+    Broken(String),
+}
+
+impl Task {
+    fn emit(&self, ev: LockEvent) {
+        let _ = self.events.send(ev);
+    }
+
+    fn set_fd(&self, fd: Option<RawFd>) {
+        if let Ok(mut g) = self.fd.lock() {
+            *g = fd;
+        }
+    }
+
+    /// Drop the stream while holding the fd lock, so that `inheritable_fd` never dups a
+    /// closed (or reused) descriptor.
+    fn drop_stream(&self, s: Stream) {
+        match self.fd.lock() {
+            Ok(mut g) => {
+                *g = None;
+                drop(s);
+            }
+            Err(_) => drop(s),
+        }
+    }
+
+    async fn run(mut self, first: Stream, mut cmds: mpsc::UnboundedReceiver<Cmd>) {
+        let mut stream = first;
+        loop {
+            let flow = self.connected(&mut stream, &mut cmds).await;
+            self.drop_stream(stream);
+            let cause = match flow {
+                Flow::Closed => {
+                    if let Some(a) = self.close_ack.take() {
+                        let _ = a.send(());
+                    }
+                    return;
+                }
+                Flow::Broken(c) => c,
+            };
+            warn!(client = %self.label, cause = %cause, held = self.held.len(), waiting = self.waiting.len(),
+                "connection to lockd broke; reconnecting");
+            self.emit(LockEvent::Disconnected {
+                cause: cause.clone(),
+            });
+            for h in self.held.values_mut() {
+                h.confirmed = false;
+            }
+            if !self.held.is_empty() && self.lost_deadline.is_none() {
+                self.lost_deadline = Some(Instant::now() + self.opts.reconnect_timeout);
+            }
+            match self.reconnect(&mut cmds).await {
+                Some(s) => stream = s,
+                None => {
+                    if let Some(a) = self.close_ack.take() {
+                        let _ = a.send(());
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    fn lose_unconfirmed(&mut self, cause: &str) {
+        let lost: Vec<String> = self
+            .held
+            .iter()
+            .filter(|(_, h)| !h.confirmed)
+            .map(|(r, _)| r.clone())
+            .collect();
+        for r in lost {
+            if let Some(h) = self.held.remove(&r) {
+                warn!(client = %self.label, resource = %r, epoch = h.epoch, cause, "lease lost");
+                self.emit(LockEvent::Lost {
+                    resource: r,
+                    epoch: h.epoch,
+                    cause: cause.to_string(),
+                });
+            }
+        }
+        self.lost_deadline = None;
+    }
+
+    /// Reconnect with backoff; None when the owner closed the client meanwhile.
+    async fn reconnect(&mut self, cmds: &mut mpsc::UnboundedReceiver<Cmd>) -> Option<Stream> {
+        let mut backoff = Duration::from_millis(10);
+        loop {
+            let ep = self.endpoint.clone();
+            let attempt = connect_once(&ep, self.opts.connect_timeout);
+            tokio::pin!(attempt);
+            let deadline = self.lost_deadline;
+            let res = tokio::select! {
+                r = &mut attempt => Some(r),
+                c = cmds.recv() => {
+                    if !self.offline_cmd(c) {
+                        return None;
+                    }
+                    None
+                }
+                _ = sleep_opt(deadline) => {
+                    let t = self.opts.reconnect_timeout;
+                    self.lose_unconfirmed(&format!("could not reconnect to lockd within {t:?}"));
+                    None
+                }
+            };
+            match res {
+                Some(Ok(mut s)) => {
+                    self.set_fd(Some(s.raw_fd()));
+                    info!(client = %self.label, endpoint = %self.endpoint, "reconnected to lockd");
+                    self.emit(LockEvent::Reconnected);
+                    let mut out = proto::encode_request(&Request::Ping);
+                    for (r, h) in &self.held {
+                        out.push_str(&proto::encode_request(&Request::Reclaim {
+                            resource: r.clone(),
+                            holder: h.holder.clone(),
+                            epoch: h.epoch,
+                            token: h.token.clone(),
+                        }));
+                    }
+                    for (r, (holder, wait)) in &self.waiting {
+                        out.push_str(&proto::encode_request(&Request::Acquire {
+                            resource: r.clone(),
+                            holder: holder.clone(),
+                            wait: *wait,
+                        }));
+                    }
+                    if s.write_all(out.as_bytes()).await.is_ok() {
+                        return Some(s);
+                    }
+                    self.drop_stream(s);
+                }
+                Some(Err(e)) => {
+                    debug!(client = %self.label, error = %e, "reconnect attempt failed");
+                    let sleep = tokio::time::sleep(backoff);
+                    tokio::pin!(sleep);
+                    loop {
+                        tokio::select! {
+                            _ = &mut sleep => break,
+                            c = cmds.recv() => if !self.offline_cmd(c) { return None },
+                        }
+                    }
+                    backoff = (backoff * 2).min(Duration::from_millis(250));
+                }
+                None => {}
+            }
+        }
+    }
+
+    /// A command while disconnected; false when the client must stop.
+    fn offline_cmd(&mut self, c: Option<Cmd>) -> bool {
+        match c {
+            None => false,
+            Some(Cmd::Close { ack }) => {
+                self.close_ack = Some(ack);
+                false
+            }
+            Some(Cmd::Acquire {
+                resource,
+                holder,
+                wait,
+                ack,
+            }) => {
+                self.waiting.insert(resource, (holder, wait));
+                let _ = ack.send(());
+                true
+            }
+            Some(Cmd::Release { resource, ack }) => {
+                self.held.remove(&resource);
+                self.waiting.remove(&resource);
+                if self.held.values().all(|h| h.confirmed) {
+                    self.lost_deadline = None;
+                }
+                let _ = ack.send(());
+                true
+            }
+        }
+    }
+
+    async fn connected(&mut self, s: &mut Stream, cmds: &mut mpsc::UnboundedReceiver<Cmd>) -> Flow {
+        let mut lb = LineBuf::new(MAX_EVENT_LINE);
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let deadline = self.lost_deadline;
+            tokio::select! {
+                n = s.read(&mut buf) => {
+                    let n = match n {
+                        Ok(0) => return Flow::Broken("lockd closed the connection".into()),
+                        Ok(n) => n,
+                        Err(e) => return Flow::Broken(format!("read failed: {e}")),
+                    };
+                    lb.push(&buf[..n]);
+                    while let Some(item) = lb.next_line() {
+                        match item {
+                            Ok(line) => self.on_line(&line),
+                            Err(e) => return Flow::Broken(format!("event {e}")),
+                        }
+                    }
+                }
+                c = cmds.recv() => {
+                    let line = match c {
+                        None => return Flow::Closed,
+                        Some(Cmd::Close { ack }) => {
+                            self.close_ack = Some(ack);
+                            return Flow::Closed;
+                        }
+                        Some(Cmd::Acquire { resource, holder, wait, ack }) => {
+                            let l = proto::encode_request(&Request::Acquire {
+                                resource: resource.clone(), holder: holder.clone(), wait,
+                            });
+                            self.waiting.insert(resource, (holder, wait));
+                            let _ = ack.send(());
+                            l
+                        }
+                        Some(Cmd::Release { resource, ack }) => {
+                            self.held.remove(&resource);
+                            self.waiting.remove(&resource);
+                            if self.held.values().all(|h| h.confirmed) {
+                                self.lost_deadline = None;
+                            }
+                            let _ = ack.send(());
+                            proto::encode_request(&Request::Release { resource })
+                        }
+                    };
+                    if let Err(e) = s.write_all(line.as_bytes()).await {
+                        return Flow::Broken(format!("write failed: {e}"));
+                    }
+                }
+                _ = sleep_opt(deadline) => {
+                    let t = self.opts.reconnect_timeout;
+                    self.lose_unconfirmed(&format!("lease not reclaimed within {t:?}"));
+                }
+            }
+        }
+    }
+
+    fn on_line(&mut self, line: &[u8]) {
+        let ev = match proto::decode_event(line) {
+            Ok(ev) => ev,
+            Err(e) => {
+                warn!(client = %self.label, error = %e, "undecodable event from lockd; ignored");
+                return;
+            }
+        };
+        match ev {
+            Event::Queued { resource, position } => {
+                self.emit(LockEvent::Queued { resource, position })
+            }
+            Event::Busy { resource, holder } => {
+                self.waiting.remove(&resource);
+                self.emit(LockEvent::Busy { resource, holder });
+            }
+            Event::Granted {
+                resource,
+                holder,
+                epoch,
+                token,
+                reclaimed,
+            } => {
+                // A grant the owner no longer wants (released/cancelled while the answer was in
+                // flight): lockd processes our release right after it, so drop it silently.
+                let wanted = if reclaimed {
+                    self.held.get(&resource).is_some_and(|h| h.epoch == epoch)
+                } else {
+                    self.waiting.remove(&resource).is_some()
+                };
+                if !wanted {
+                    debug!(client = %self.label, resource = %resource, epoch, "stale grant ignored");
+                    return;
+                }
+                self.held.insert(
+                    resource.clone(),
+                    Held {
+                        holder,
+                        epoch,
+                        token,
+                        confirmed: true,
+                    },
+                );
+                if self.held.values().all(|h| h.confirmed) {
+                    self.lost_deadline = None;
+                }
+                info!(client = %self.label, resource = %resource, epoch, reclaimed, "lease granted");
+                self.emit(LockEvent::Granted {
+                    resource,
+                    epoch,
+                    reclaimed,
+                });
+            }
+            Event::Revoked {
+                resource,
+                epoch,
+                reason,
+            } => {
+                warn!(client = %self.label, resource = %resource, epoch, reason = %reason, "lease revoked");
+                self.emit(LockEvent::Revoked {
+                    resource,
+                    epoch,
+                    reason,
+                });
+            }
+            Event::Error {
+                code,
+                message,
+                resource,
+            } => {
+                if code == "reclaim_refused" {
+                    if let Some(h) = resource.as_ref().and_then(|r| self.held.remove(r)) {
+                        let resource = resource.unwrap_or_default();
+                        warn!(client = %self.label, resource = %resource, epoch = h.epoch, cause = %message, "lease lost");
+                        if self.held.values().all(|h| h.confirmed) {
+                            self.lost_deadline = None;
+                        }
+                        self.emit(LockEvent::Lost {
+                            resource,
+                            epoch: h.epoch,
+                            cause: message,
+                        });
+                        return;
+                    }
+                }
+                self.emit(LockEvent::Error { code, message });
+            }
+            Event::Hello { .. }
+            | Event::Released { .. }
+            | Event::Cancelled { .. }
+            | Event::RevokeSent { .. }
+            | Event::Status(_)
+            | Event::Watching {}
+            | Event::Notice(_)
+            | Event::Pong {} => {}
+        }
+    }
+}
+
+async fn sleep_opt(at: Option<Instant>) {
+    match at {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}

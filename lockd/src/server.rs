@@ -1,0 +1,766 @@
+//! The lockd server: a single-threaded tokio driver around the pure [`Core`].
+//!
+//! Every socket event becomes an [`Input`]; every [`Output::Persist`] is written durably
+//! (see [`StateFile::write`]) before the outputs it gates are sent. The handoff path is
+//! event-driven: EOF on the holder's socket → `Disconnect` → persist → grant written to the
+//! next waiter's socket, all within one wakeup of this thread.
+//!
+//! [`Server::run`] must be awaited on a current-thread runtime (or inside `block_on`): it
+//! uses a `LocalSet`.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::future::Future;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::{mpsc, Notify};
+use tracing::{debug, error, info, warn};
+
+use crate::core::{Config, Core, Input, Now, Output, SessionId};
+use crate::line::LineBuf;
+use crate::metrics::{self, Metrics};
+use crate::persist::{PersistError, StateFile};
+use crate::proto::{self, ErrorCode, Event, NoticeKind, PeerInfo};
+use crate::Endpoint;
+
+/// Everything `lockd serve` can be told.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Listeners (`unix:PATH`, `tcp:HOST:PORT`); at least one.
+    pub listen: Vec<Endpoint>,
+    /// The durable state file.
+    pub state: PathBuf,
+    /// How long a persisted holder has to reclaim its lease after a restart.
+    pub reconnect_window: Duration,
+    /// `HOST:PORT` for Prometheus metrics, if wanted.
+    pub metrics: Option<String>,
+    /// Token that TCP clients must present to revoke.
+    pub admin_token: Option<String>,
+    /// Longest request line accepted (bytes).
+    pub max_line: usize,
+    /// A connection that sends no request within this time is closed.
+    pub idle_timeout: Duration,
+    /// Requests per second allowed per connection (burst of the same size).
+    pub rate_limit: u32,
+    /// Events buffered for a connection that does not read before it is disconnected.
+    pub outbound_queue: usize,
+    /// A connection whose socket accepts no bytes for this long is disconnected.
+    pub write_timeout: Duration,
+}
+
+impl ServeConfig {
+    /// Defaults for everything but listeners and state file.
+    pub fn new(listen: Vec<Endpoint>, state: PathBuf) -> ServeConfig {
+        ServeConfig {
+            listen,
+            state,
+            reconnect_window: Duration::from_secs(10),
+            metrics: None,
+            admin_token: None,
+            max_line: proto::DEFAULT_MAX_LINE,
+            idle_timeout: Duration::from_secs(10),
+            rate_limit: 10_000,
+            outbound_queue: 1024,
+            write_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Why lockd could not start or had to stop.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The state file is locked, corrupt or unreadable, or a write failed.
+    #[error(transparent)]
+    State(#[from] PersistError),
+    /// A live lockd answers on the Unix socket path.
+    #[error("socket {0} is in use by a live lockd; refusing to start")]
+    SocketInUse(PathBuf),
+    /// Something that is not a socket sits at the socket path.
+    #[error("{0} exists and is not a socket; refusing to remove it")]
+    NotASocket(PathBuf),
+    /// Binding a listener failed.
+    #[error("cannot listen on {endpoint}: {source}")]
+    Bind {
+        /// The endpoint.
+        endpoint: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// No listener given.
+    #[error("no --listen endpoint given")]
+    NoListener,
+}
+
+fn now() -> Now {
+    let unix_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    Now {
+        mono: Instant::now(),
+        unix_ms,
+    }
+}
+
+/// A log line whose writing is deferred until the sockets have been served.
+enum LogLine {
+    /// A lease change.
+    Notice {
+        /// The change.
+        notice: crate::proto::Notice,
+        /// Holder close → grant, when this grant followed a close.
+        handoff_us: Option<u64>,
+        /// Peer pid of the session concerned.
+        pid: Option<i32>,
+        /// Peer uid of the session concerned.
+        uid: Option<u32>,
+    },
+    /// A connection ended.
+    Closed {
+        /// The session.
+        session: SessionId,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The I/O side of the state machine.
+struct Driver {
+    /// The pure state machine.
+    core: Core,
+    /// Where durable state goes.
+    state: StateFile,
+    /// Outbound queues of connected sessions (dropping one closes that connection).
+    sessions: HashMap<SessionId, mpsc::Sender<String>>,
+    /// Peer identity per session, for logs.
+    peers: HashMap<SessionId, PeerInfo>,
+    /// Measurements for `/metrics`.
+    metrics: Metrics,
+    /// Wakes the window timer when deadlines may have changed.
+    timer: Rc<Notify>,
+    /// Log lines waiting for the logger task.
+    deferred: Vec<LogLine>,
+    /// Wakes the logger task.
+    log_notify: Rc<Notify>,
+    /// The latest state the core asked to persist, not yet written (group commit).
+    pending_persist: Option<(u64, crate::core::PersistedState)>,
+    /// Wakes the flusher task when `pending_persist` is set.
+    flush: Rc<Notify>,
+    /// Set when a state write failed: nothing more is granted, lockd stops.
+    fatal: Option<PersistError>,
+    /// Wakes `run` when `fatal` is set.
+    fatal_notify: Rc<Notify>,
+}
+
+impl Driver {
+    fn feed(&mut self, input: Input) {
+        if self.fatal.is_some() {
+            return;
+        }
+        let outs = self.core.step(now(), input);
+        // Sessions being granted something go first (their events keep their order): the
+        // new holder is woken before the bookkeeping answers to others.
+        let granted: Vec<SessionId> = outs
+            .iter()
+            .filter_map(|o| match o {
+                Output::Send {
+                    session,
+                    event: Event::Granted { .. },
+                } => Some(*session),
+                _ => None,
+            })
+            .collect();
+        let (first, rest): (Vec<Output>, Vec<Output>) = if granted.is_empty() {
+            (Vec::new(), outs)
+        } else {
+            outs.into_iter().partition(
+                |o| matches!(o, Output::Send { session, .. } if granted.contains(session)),
+            )
+        };
+        for o in first.into_iter().chain(rest) {
+            match o {
+                Output::Persist { seq, state } => {
+                    // Group commit: the flusher task writes the latest requested state once
+                    // every ready connection has been served; the core holds back every
+                    // event until that write is acknowledged.
+                    self.pending_persist = Some((seq, state));
+                    self.flush.notify_one();
+                }
+                Output::Send { session, event } => self.send(session, &event),
+                Output::Notice {
+                    notice,
+                    handoff_from,
+                } => {
+                    let handoff_us = handoff_from.map(|t| {
+                        let d = t.elapsed();
+                        self.metrics.handoff.observe(d);
+                        d.as_micros() as u64
+                    });
+                    let peer = notice.session.and_then(|s| self.peers.get(&s));
+                    let (pid, uid) = (peer.and_then(|p| p.pid), peer.and_then(|p| p.uid));
+                    // Logged by the logger task, after the new holder's socket write.
+                    self.deferred.push(LogLine::Notice {
+                        notice,
+                        handoff_us,
+                        pid,
+                        uid,
+                    });
+                    self.log_notify.notify_one();
+                }
+            }
+        }
+        self.timer.notify_one();
+    }
+
+    /// Queue a log line for the logger task (keeps log I/O off the handoff path).
+    fn log_later(&mut self, line: LogLine) {
+        self.deferred.push(line);
+        self.log_notify.notify_one();
+    }
+
+    /// Write every queued log line.
+    fn write_logs(&mut self) {
+        for line in std::mem::take(&mut self.deferred) {
+            match line {
+                LogLine::Notice {
+                    notice,
+                    handoff_us,
+                    pid,
+                    uid,
+                } => {
+                    let what = match notice.kind {
+                        NoticeKind::Granted if notice.reclaimed => "lease reclaimed",
+                        NoticeKind::Granted => "lease granted",
+                        NoticeKind::Released => "lease released",
+                        NoticeKind::Expired => "lease expired",
+                        NoticeKind::Revoked => "lease revoked",
+                    };
+                    info!(
+                        resource = %notice.resource,
+                        holder = notice.holder.as_deref().unwrap_or(""),
+                        epoch = notice.epoch,
+                        session = notice.session,
+                        pid,
+                        uid,
+                        handoff_us,
+                        after_revoke = notice.after_revoke,
+                        reason = notice.reason.as_deref(),
+                        "{what}"
+                    );
+                }
+                LogLine::Closed { session, reason } => {
+                    info!(session, reason = %reason, "session closed");
+                }
+            }
+        }
+    }
+
+    /// Durably write the pending state (if any) and acknowledge it to the core.
+    fn flush_now(&mut self) {
+        let Some((seq, state)) = self.pending_persist.take() else {
+            return;
+        };
+        if self.fatal.is_some() {
+            return;
+        }
+        let t = Instant::now();
+        match self.state.write(&state) {
+            Ok(()) => {
+                self.metrics.persist.observe(t.elapsed());
+                self.feed(Input::Persisted { seq });
+            }
+            Err(e) => {
+                error!(error = %e, "state write failed; granting nothing more and stopping");
+                self.fatal = Some(e);
+                self.fatal_notify.notify_one();
+            }
+        }
+    }
+
+    fn send(&mut self, session: SessionId, event: &Event) {
+        let Some(tx) = self.sessions.get(&session) else {
+            return;
+        };
+        match tx.try_send(event.encode()) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                warn!(
+                    session,
+                    "client does not read its events; disconnecting it (slow consumer)"
+                );
+                self.sessions.remove(&session);
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                self.sessions.remove(&session);
+            }
+        }
+    }
+}
+
+type Shared = Rc<RefCell<Driver>>;
+
+/// A lockd whose state file is locked and listeners are bound, ready to [`Server::run`].
+pub struct Server {
+    /// Configuration.
+    cfg: ServeConfig,
+    /// The driver (core + state file).
+    driver: Shared,
+    /// Bound Unix listeners and their paths (removed on clean shutdown).
+    unix: Vec<(UnixListener, PathBuf)>,
+    /// Bound TCP listeners.
+    tcp: Vec<TcpListener>,
+    /// Bound metrics listener.
+    metrics: Option<TcpListener>,
+}
+
+fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
+    if let Ok(md) = std::fs::symlink_metadata(path) {
+        if !md.file_type().is_socket() {
+            return Err(ServeError::NotASocket(path.to_path_buf()));
+        }
+        match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => return Err(ServeError::SocketInUse(path.to_path_buf())),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                info!(path = %path.display(), "removing stale socket");
+                let _ = std::fs::remove_file(path);
+            }
+            Err(e) => {
+                return Err(ServeError::Bind {
+                    endpoint: format!("unix:{}", path.display()),
+                    source: e,
+                })
+            }
+        }
+    }
+    let l = UnixListener::bind(path).map_err(|e| ServeError::Bind {
+        endpoint: format!("unix:{}", path.display()),
+        source: e,
+    })?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(|e| {
+        ServeError::Bind {
+            endpoint: format!("unix:{}", path.display()),
+            source: e,
+        }
+    })?;
+    Ok(l)
+}
+
+impl Server {
+    /// Lock and read the state file, then bind every listener. Fails fast with a clear
+    /// error (second lockd, live socket, corrupt state, bad address).
+    pub async fn bind(cfg: ServeConfig) -> Result<Server, ServeError> {
+        if cfg.listen.is_empty() {
+            return Err(ServeError::NoListener);
+        }
+        let (state_file, state) = StateFile::open(&cfg.state)?;
+        let held: Vec<String> = state
+            .resources
+            .iter()
+            .filter(|(_, r)| r.holder.is_some())
+            .map(|(n, _)| n.clone())
+            .collect();
+        let mut unix = Vec::new();
+        let mut tcp = Vec::new();
+        for ep in &cfg.listen {
+            match ep {
+                Endpoint::Unix(p) => unix.push((bind_unix(p)?, p.clone())),
+                Endpoint::Tcp(hp) => {
+                    let l = TcpListener::bind(hp.as_str())
+                        .await
+                        .map_err(|e| ServeError::Bind {
+                            endpoint: ep.to_string(),
+                            source: e,
+                        })?;
+                    tcp.push(l);
+                }
+            }
+        }
+        let metrics = match &cfg.metrics {
+            Some(hp) => {
+                Some(
+                    TcpListener::bind(hp.as_str())
+                        .await
+                        .map_err(|e| ServeError::Bind {
+                            endpoint: format!("metrics {hp}"),
+                            source: e,
+                        })?,
+                )
+            }
+            None => None,
+        };
+        let seed = rand::random::<u64>();
+        let core = Core::new(
+            Config {
+                reconnect_window: cfg.reconnect_window,
+                admin_token: cfg.admin_token.clone(),
+            },
+            state,
+            now(),
+            seed,
+        );
+        if !held.is_empty() {
+            info!(resources = ?held, window_ms = cfg.reconnect_window.as_millis() as u64,
+                "persisted holders found: reconnect window open, granting nothing for them until it ends");
+        }
+        let driver = Rc::new(RefCell::new(Driver {
+            core,
+            state: state_file,
+            sessions: HashMap::new(),
+            peers: HashMap::new(),
+            metrics: Metrics::default(),
+            timer: Rc::new(Notify::new()),
+            fatal: None,
+            fatal_notify: Rc::new(Notify::new()),
+            pending_persist: None,
+            deferred: Vec::new(),
+            log_notify: Rc::new(Notify::new()),
+            flush: Rc::new(Notify::new()),
+        }));
+        Ok(Server {
+            cfg,
+            driver,
+            unix,
+            tcp,
+            metrics,
+        })
+    }
+
+    /// Local address of the first TCP listener (tests bind port 0).
+    pub fn tcp_addr(&self) -> Option<std::net::SocketAddr> {
+        self.tcp.first().and_then(|l| l.local_addr().ok())
+    }
+
+    /// Serve until `shutdown` completes (Ok) or a state write fails (Err).
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
+        let local = tokio::task::LocalSet::new();
+        let Server {
+            cfg,
+            driver,
+            unix,
+            tcp,
+            metrics,
+        } = self;
+        let paths: Vec<PathBuf> = unix.iter().map(|(_, p)| p.clone()).collect();
+        let limits = Rc::new(cfg.clone());
+        let result = local
+            .run_until(async move {
+                let next_id = Rc::new(std::cell::Cell::new(1u64));
+                for (l, path) in unix {
+                    let (d, lim, ids) = (driver.clone(), limits.clone(), next_id.clone());
+                    info!(endpoint = %format!("unix:{}", path.display()), "listening");
+                    tokio::task::spawn_local(async move {
+                        loop {
+                            match l.accept().await {
+                                Ok((s, _)) => {
+                                    let cred = s.peer_cred().ok();
+                                    let peer = PeerInfo {
+                                        transport: "unix".into(),
+                                        pid: cred.and_then(|c| c.pid()),
+                                        uid: cred.map(|c| c.uid()),
+                                        gid: cred.map(|c| c.gid()),
+                                        addr: None,
+                                    };
+                                    let id = ids.get();
+                                    ids.set(id + 1);
+                                    let (r, w) = s.into_split();
+                                    tokio::task::spawn_local(conn(d.clone(), lim.clone(), id, peer, r, w));
+                                }
+                                Err(e) => {
+                                    warn!(error = %e, "accept failed");
+                                    tokio::time::sleep(Duration::from_millis(50)).await;
+                                }
+                            }
+                        }
+                    });
+                }
+                for l in tcp {
+                    let (d, lim, ids) = (driver.clone(), limits.clone(), next_id.clone());
+                    info!(endpoint = %format!("tcp:{}", l.local_addr().map(|a| a.to_string()).unwrap_or_default()), "listening");
+                    tokio::task::spawn_local(async move {
+                        loop {
+                            match l.accept().await {
+                                Ok((s, addr)) => {
+                                    let _ = s.set_nodelay(true);
+                                    let peer = PeerInfo {
+                                        transport: "tcp".into(),
+                                        addr: Some(addr.to_string()),
+                                        ..PeerInfo::default()
+                                    };
+                                    let id = ids.get();
+                                    ids.set(id + 1);
+                                    let (r, w) = s.into_split();
+                                    tokio::task::spawn_local(conn(d.clone(), lim.clone(), id, peer, r, w));
+                                }
+                                Err(e) => {
+                                    warn!(error = %e, "accept failed");
+                                    tokio::time::sleep(Duration::from_millis(50)).await;
+                                }
+                            }
+                        }
+                    });
+                }
+                if let Some(ml) = metrics {
+                    info!(addr = %ml.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics listening");
+                    tokio::task::spawn_local(serve_metrics(driver.clone(), ml));
+                }
+                let (timer, fatal) = {
+                    let d = driver.borrow();
+                    (d.timer.clone(), d.fatal_notify.clone())
+                };
+                let (fd, flush) = (driver.clone(), driver.borrow().flush.clone());
+                tokio::task::spawn_local(async move {
+                    loop {
+                        flush.notified().await;
+                        fd.borrow_mut().flush_now();
+                    }
+                });
+                let (ld, logs) = (driver.clone(), driver.borrow().log_notify.clone());
+                tokio::task::spawn_local(async move {
+                    loop {
+                        logs.notified().await;
+                        // Let the tasks woken meanwhile (the new holder's writer) go first.
+                        tokio::task::yield_now().await;
+                        ld.borrow_mut().write_logs();
+                    }
+                });
+                let td = driver.clone();
+                tokio::task::spawn_local(async move {
+                    loop {
+                        let next = td.borrow().core.next_deadline();
+                        match next {
+                            Some(at) => tokio::select! {
+                                _ = tokio::time::sleep_until(at.into()) => td.borrow_mut().feed(Input::Tick),
+                                _ = timer.notified() => {}
+                            },
+                            None => timer.notified().await,
+                        }
+                    }
+                });
+                tokio::select! {
+                    _ = shutdown => {
+                        info!("shutting down");
+                        let mut d = driver.borrow_mut();
+                        let ids: Vec<SessionId> = d.sessions.keys().copied().collect();
+                        for s in ids {
+                            d.send(s, &Event::error(ErrorCode::ShuttingDown, "lockd is stopping", None));
+                        }
+                        Ok(())
+                    }
+                    _ = fatal.notified() => {
+                        let e = driver.borrow_mut().fatal.take();
+                        match e {
+                            Some(e) => Err(ServeError::State(e)),
+                            None => Ok(()),
+                        }
+                    }
+                }
+            })
+            .await;
+        // Let writers flush the shutdown notice (and the logger its lines) briefly, then drop
+        // every task (closing sockets).
+        local
+            .run_until(tokio::time::sleep(Duration::from_millis(20)))
+            .await;
+        drop(local);
+        for p in paths {
+            let _ = std::fs::remove_file(&p);
+        }
+        info!("stopped");
+        result
+    }
+}
+
+/// Simple token bucket: `rate` requests per second, burst `rate`.
+struct Bucket {
+    /// Tokens available.
+    tokens: f64,
+    /// Refill per second and capacity.
+    rate: f64,
+    /// Last refill.
+    at: Instant,
+}
+
+impl Bucket {
+    fn take(&mut self) -> bool {
+        let now = Instant::now();
+        self.tokens =
+            (self.tokens + now.duration_since(self.at).as_secs_f64() * self.rate).min(self.rate);
+        self.at = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+async fn conn<R, W>(
+    d: Shared,
+    lim: Rc<ServeConfig>,
+    id: SessionId,
+    peer: PeerInfo,
+    mut r: R,
+    mut w: W,
+) where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let (tx, mut rx) = mpsc::channel::<String>(lim.outbound_queue.max(1));
+    info!(session = id, transport = %peer.transport, pid = peer.pid, uid = peer.uid, gid = peer.gid,
+        addr = peer.addr.as_deref(), "session connected");
+    {
+        let mut drv = d.borrow_mut();
+        drv.metrics.connections += 1;
+        drv.sessions.insert(id, tx);
+        drv.peers.insert(id, peer.clone());
+        drv.feed(Input::Connect { session: id, peer });
+    }
+    let mut lb = LineBuf::new(lim.max_line);
+    let mut buf = vec![0u8; 16 * 1024];
+    let mut got_request = false;
+    let idle = tokio::time::sleep(lim.idle_timeout);
+    tokio::pin!(idle);
+    let rate = f64::from(lim.rate_limit.max(1));
+    let mut bucket = Bucket {
+        tokens: rate,
+        rate,
+        at: Instant::now(),
+    };
+    let reason: String = 'outer: loop {
+        tokio::select! {
+            m = rx.recv() => match m {
+                Some(mut line) => {
+                    // Coalesce whatever else is queued for this session into one write.
+                    while line.len() < 64 * 1024 {
+                        match rx.try_recv() {
+                            Ok(more) => line.push_str(&more),
+                            Err(_) => break,
+                        }
+                    }
+                    match tokio::time::timeout(lim.write_timeout, w.write_all(line.as_bytes())).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => break format!("write failed: {e}"),
+                        Err(_) => {
+                            warn!(session = id, "client does not read its events; disconnecting it (write timeout)");
+                            break "write timeout (slow consumer)".into();
+                        }
+                    }
+                }
+                None => break "closed by lockd (slow consumer)".into(),
+            },
+            n = r.read(&mut buf) => {
+                let n = match n {
+                    Ok(0) => break "eof".into(),
+                    Ok(n) => n,
+                    Err(e) => break format!("read failed: {e}"),
+                };
+                lb.push(&buf[..n]);
+                while let Some(item) = lb.next_line() {
+                    let line = match item {
+                        Ok(l) => l,
+                        Err(e) => {
+                            d.borrow_mut().metrics.bad_requests += 1;
+                            warn!(session = id, max = e.max, "line too long; disconnecting");
+                            let ev = Event::error(ErrorCode::LineTooLong, e.to_string(), None);
+                            let _ = w.write_all(ev.encode().as_bytes()).await;
+                            break 'outer "line too long".into();
+                        }
+                    };
+                    if line.iter().all(|b| b.is_ascii_whitespace()) {
+                        continue;
+                    }
+                    got_request = true;
+                    if !bucket.take() {
+                        d.borrow_mut().metrics.bad_requests += 1;
+                        warn!(session = id, rate = lim.rate_limit, "request flood; disconnecting");
+                        let ev = Event::error(ErrorCode::RateLimited, format!("more than {} requests/s", lim.rate_limit), None);
+                        let _ = w.write_all(ev.encode().as_bytes()).await;
+                        break 'outer "rate limited".into();
+                    }
+                    match proto::decode_request(&line, lim.max_line) {
+                        Ok(req) => {
+                            debug!(session = id, ?req, "request");
+                            d.borrow_mut().feed(Input::Request { session: id, req });
+                        }
+                        Err(e) => {
+                            let mut drv = d.borrow_mut();
+                            drv.metrics.bad_requests += 1;
+                            warn!(session = id, code = e.code().as_str(), error = %e, "bad request");
+                            drv.send(id, &Event::error(e.code(), e.to_string(), None));
+                        }
+                    }
+                }
+            }
+            _ = &mut idle, if !got_request => {
+                warn!(session = id, "no request within the idle timeout; disconnecting");
+                let ev = Event::error(ErrorCode::IdleTimeout, format!("no request within {:?}", lim.idle_timeout), None);
+                let _ = w.write_all(ev.encode().as_bytes()).await;
+                break "idle timeout".into();
+            }
+        }
+    };
+    {
+        let mut drv = d.borrow_mut();
+        drv.sessions.remove(&id);
+        drv.feed(Input::Disconnect { session: id });
+        drv.peers.remove(&id);
+        drv.log_later(LogLine::Closed {
+            session: id,
+            reason,
+        });
+    }
+}
+
+async fn serve_metrics(d: Shared, l: TcpListener) {
+    loop {
+        let Ok((mut s, _)) = l.accept().await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let d = d.clone();
+        tokio::task::spawn_local(async move {
+            let mut req = Vec::new();
+            let mut buf = [0u8; 1024];
+            let read = tokio::time::timeout(Duration::from_secs(5), async {
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") && req.len() < 8192 {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => req.extend_from_slice(&buf[..n]),
+                    }
+                }
+            })
+            .await;
+            if read.is_err() {
+                return;
+            }
+            let first = req.split(|b| *b == b'\n').next().unwrap_or_default();
+            let (status, body) =
+                if first.starts_with(b"GET /metrics ") || first.starts_with(b"GET / ") {
+                    let drv = d.borrow();
+                    let c = drv.core.counters();
+                    (
+                        "200 OK",
+                        metrics::render(
+                            &drv.metrics,
+                            &c,
+                            &drv.core.waiters(),
+                            drv.core.session_count(),
+                        ),
+                    )
+                } else {
+                    ("404 Not Found", "not found\n".to_string())
+                };
+            let resp = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = s.write_all(resp.as_bytes()).await;
+            let _ = s.shutdown().await;
+        });
+    }
+}

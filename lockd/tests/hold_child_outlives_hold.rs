@@ -1,0 +1,42 @@
+//! `lockd hold`'s own process killed while its child runs → the lock stays held until
+//! the child dies.
+mod common;
+use common::*;
+use std::time::Duration;
+
+#[test]
+fn killing_hold_alone_keeps_the_lock_until_the_child_dies() {
+    let d = tempfile::tempdir().unwrap();
+    let l = Lockd::start(d.path(), &[]);
+    let (fa, fb) = (d.path().join("a.epoch"), d.path().join("b.epoch"));
+    let mut a = hold(&l, "engine", "a", &record_epoch_and_sleep(&fa), &[]);
+    let ea = wait_epoch(&fa, Duration::from_secs(10));
+    let child_pid: i32 = wait_for(Duration::from_secs(5), "child pid", || {
+        std::fs::read_to_string(d.path().join("a.epoch.pid"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    });
+    let _b = hold(&l, "engine", "b", &record_epoch_and_sleep(&fb), &[]);
+    wait_waiters(&l, "engine", 1);
+
+    // Kill only the `lockd hold` process, not its group.
+    // SAFETY: kill(2) on our child.
+    unsafe { libc::kill(a.pid(), libc::SIGKILL) };
+    a.wait_exit(Duration::from_secs(5));
+    assert!(pid_alive(child_pid), "the child must still run");
+    std::thread::sleep(Duration::from_millis(500));
+    let st = l.status();
+    assert_eq!(
+        resource(&st, "engine")["holder"],
+        "a",
+        "lock must stay with the child: {st}"
+    );
+    assert_eq!(read_epoch(&fb), None);
+
+    // SAFETY: kill(2) on the orphaned child.
+    unsafe { libc::kill(child_pid, libc::SIGKILL) };
+    let eb = wait_epoch(&fb, Duration::from_secs(10));
+    assert!(eb > ea);
+}

@@ -1,0 +1,421 @@
+//! Engine adapters: how to check health, put to sleep and wake a given engine over HTTP.
+//!
+//! An adapter only *describes* calls ([`HttpCall`]); [`EngineClient`] executes them. Adding a
+//! third engine is one more `impl Adapter` with its endpoints.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request, Uri};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+/// Errors of engine calls. A failed sleep or wake ends in Dead: nobody retries.
+#[derive(Debug, thiserror::Error)]
+pub enum AdapterError {
+    /// The engine URL or a path did not form a valid URI.
+    #[error("invalid engine url {0}")]
+    Url(String),
+    /// Connection or protocol failure.
+    #[error("{method} {path}: {message}")]
+    Http {
+        /// Request method.
+        method: Method,
+        /// Request path.
+        path: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// Non-2xx answer.
+    #[error("{method} {path}: HTTP {status}: {body}")]
+    Status {
+        /// Request method.
+        method: Method,
+        /// Request path.
+        path: String,
+        /// Status code.
+        status: u16,
+        /// First bytes of the body.
+        body: String,
+    },
+    /// 2xx answer whose content did not confirm what we asked for.
+    #[error("{path}: expected {expected}, got {got}")]
+    Unconfirmed {
+        /// Request path.
+        path: String,
+        /// What we expected.
+        expected: String,
+        /// What came back.
+        got: String,
+    },
+    /// The call did not finish in time.
+    #[error("{path}: timed out after {after:?}")]
+    Timeout {
+        /// Request path.
+        path: String,
+        /// The time limit.
+        after: Duration,
+    },
+}
+
+/// How an answer is judged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Expect {
+    /// Any 2xx status.
+    Success,
+    /// 2xx with a JSON body whose top-level `field` is the boolean `value`.
+    JsonBool {
+        /// Field name.
+        field: &'static str,
+        /// Required value.
+        value: bool,
+    },
+}
+
+/// One HTTP call against the engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HttpCall {
+    /// GET or POST.
+    pub method: Method,
+    /// Path and query, e.g. `/sleep?level=1`.
+    pub path: String,
+    /// JSON body for POSTs that need one (SGLang's memory calls take `{}`).
+    pub json_body: Option<&'static str>,
+    /// What counts as success.
+    pub expect: Expect,
+}
+
+impl HttpCall {
+    fn new(method: Method, path: impl Into<String>, expect: Expect) -> HttpCall {
+        HttpCall {
+            method,
+            path: path.into(),
+            json_body: None,
+            expect,
+        }
+    }
+}
+
+/// One engine flavour's endpoints.
+pub trait Adapter: Send + Sync + std::fmt::Debug {
+    /// Name (`vllm`, `sglang`).
+    fn name(&self) -> &'static str;
+    /// Health check: success means healthy.
+    fn health(&self) -> HttpCall;
+    /// Put to sleep (offload weights, free KV cache), then confirm.
+    fn sleep(&self) -> Vec<HttpCall>;
+    /// Wake up, then confirm.
+    fn wake(&self) -> Vec<HttpCall>;
+}
+
+/// vLLM with `--enable-sleep-mode` and `VLLM_SERVER_DEV_MODE=1`.
+#[derive(Clone, Debug)]
+pub struct Vllm {
+    /// `/sleep?level=`: 1 offloads weights and drops the KV cache, 2 drops both.
+    pub sleep_level: u8,
+}
+
+impl Adapter for Vllm {
+    fn name(&self) -> &'static str {
+        "vllm"
+    }
+    fn health(&self) -> HttpCall {
+        HttpCall::new(Method::GET, "/health", Expect::Success)
+    }
+    fn sleep(&self) -> Vec<HttpCall> {
+        vec![
+            HttpCall::new(
+                Method::POST,
+                format!("/sleep?level={}", self.sleep_level),
+                Expect::Success,
+            ),
+            HttpCall::new(
+                Method::GET,
+                "/is_sleeping",
+                Expect::JsonBool {
+                    field: "is_sleeping",
+                    value: true,
+                },
+            ),
+        ]
+    }
+    fn wake(&self) -> Vec<HttpCall> {
+        vec![
+            HttpCall::new(Method::POST, "/wake_up", Expect::Success),
+            HttpCall::new(
+                Method::GET,
+                "/is_sleeping",
+                Expect::JsonBool {
+                    field: "is_sleeping",
+                    value: false,
+                },
+            ),
+        ]
+    }
+}
+
+/// SGLang with `--enable-memory-saver`. It has no "is sleeping" query, so the 2xx answer of the
+/// release/resume call is the confirmation.
+#[derive(Clone, Debug)]
+pub struct Sglang;
+
+impl Adapter for Sglang {
+    fn name(&self) -> &'static str {
+        "sglang"
+    }
+    fn health(&self) -> HttpCall {
+        HttpCall::new(Method::GET, "/health", Expect::Success)
+    }
+    fn sleep(&self) -> Vec<HttpCall> {
+        vec![HttpCall {
+            json_body: Some("{}"),
+            ..HttpCall::new(Method::POST, "/release_memory_occupation", Expect::Success)
+        }]
+    }
+    fn wake(&self) -> Vec<HttpCall> {
+        vec![HttpCall {
+            json_body: Some("{}"),
+            ..HttpCall::new(Method::POST, "/resume_memory_occupation", Expect::Success)
+        }]
+    }
+}
+
+/// Adapter kind on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum AdapterKind {
+    /// vLLM (`/sleep`, `/wake_up`, `/is_sleeping`).
+    Vllm,
+    /// SGLang (`/release_memory_occupation`, `/resume_memory_occupation`).
+    Sglang,
+}
+
+impl AdapterKind {
+    /// Build the adapter.
+    pub fn build(self, sleep_level: u8) -> Arc<dyn Adapter> {
+        match self {
+            AdapterKind::Vllm => Arc::new(Vllm { sleep_level }),
+            AdapterKind::Sglang => Arc::new(Sglang),
+        }
+    }
+}
+
+/// Executes an adapter's calls against one engine.
+#[derive(Clone, Debug)]
+pub struct EngineClient {
+    /// `scheme://authority` of the engine, without a trailing slash.
+    base: String,
+    /// Pooled HTTP/1 client (keep-alive saves a connect on the failover path).
+    client: Client<HttpConnector, Full<Bytes>>,
+    /// The engine flavour.
+    adapter: Arc<dyn Adapter>,
+}
+
+impl EngineClient {
+    /// Client for the engine at `url` (e.g. `http://127.0.0.1:8000`).
+    pub fn new(url: &str, adapter: Arc<dyn Adapter>) -> Result<EngineClient, AdapterError> {
+        let base = url.trim_end_matches('/').to_string();
+        let uri: Uri = base
+            .parse()
+            .map_err(|_| AdapterError::Url(url.to_string()))?;
+        if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+            return Err(AdapterError::Url(format!(
+                "{url} (only http://host:port is supported)"
+            )));
+        }
+        let mut conn = HttpConnector::new();
+        conn.set_nodelay(true);
+        conn.set_connect_timeout(Some(Duration::from_secs(2)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(conn);
+        Ok(EngineClient {
+            base,
+            client,
+            adapter,
+        })
+    }
+
+    /// The adapter.
+    pub fn adapter(&self) -> &Arc<dyn Adapter> {
+        &self.adapter
+    }
+
+    /// Execute one call, bounded by `timeout`.
+    pub async fn call(&self, c: &HttpCall, timeout: Duration) -> Result<(), AdapterError> {
+        match tokio::time::timeout(timeout, self.call_unbounded(c)).await {
+            Ok(r) => r,
+            Err(_) => Err(AdapterError::Timeout {
+                path: c.path.clone(),
+                after: timeout,
+            }),
+        }
+    }
+
+    async fn call_unbounded(&self, c: &HttpCall) -> Result<(), AdapterError> {
+        let uri: Uri = format!("{}{}", self.base, c.path)
+            .parse()
+            .map_err(|_| AdapterError::Url(format!("{}{}", self.base, c.path)))?;
+        let http_err = |message: String| AdapterError::Http {
+            method: c.method.clone(),
+            path: c.path.clone(),
+            message,
+        };
+        let mut b = Request::builder().method(c.method.clone()).uri(uri);
+        let body = match c.json_body {
+            Some(j) => {
+                b = b.header("content-type", "application/json");
+                Bytes::from_static(j.as_bytes())
+            }
+            None => Bytes::new(),
+        };
+        let req = b
+            .body(Full::new(body))
+            .map_err(|e| http_err(e.to_string()))?;
+        let resp = self
+            .client
+            .request(req)
+            .await
+            .map_err(|e| http_err(format!("{e:?}")))?;
+        let status = resp.status().as_u16();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| http_err(e.to_string()))?
+            .to_bytes();
+        let body_text = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
+        if !(200..300).contains(&status) {
+            return Err(AdapterError::Status {
+                method: c.method.clone(),
+                path: c.path.clone(),
+                status,
+                body: body_text,
+            });
+        }
+        match &c.expect {
+            Expect::Success => Ok(()),
+            Expect::JsonBool { field, value } => {
+                let got = serde_json::from_slice::<serde_json::Value>(&body)
+                    .ok()
+                    .and_then(|v| v.get(*field).and_then(|b| b.as_bool()));
+                if got == Some(*value) {
+                    Ok(())
+                } else {
+                    Err(AdapterError::Unconfirmed {
+                        path: c.path.clone(),
+                        expected: format!("{field}={value}"),
+                        got: body_text,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Run a sequence of calls; the whole sequence is bounded by `timeout`.
+    pub async fn run(&self, calls: &[HttpCall], timeout: Duration) -> Result<(), AdapterError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        for c in calls {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            self.call(c, left).await?;
+        }
+        Ok(())
+    }
+
+    /// One health check.
+    pub async fn healthy(&self, timeout: Duration) -> bool {
+        self.call(&self.adapter.health(), timeout).await.is_ok()
+    }
+
+    /// Put the engine to sleep and confirm.
+    pub async fn sleep(&self, timeout: Duration) -> Result<(), AdapterError> {
+        self.run(&self.adapter.sleep(), timeout).await
+    }
+
+    /// Wake the engine and confirm.
+    pub async fn wake(&self, timeout: Duration) -> Result<(), AdapterError> {
+        self.run(&self.adapter.wake(), timeout).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vllm_calls() {
+        let v = Vllm { sleep_level: 2 };
+        assert_eq!(v.sleep()[0].path, "/sleep?level=2");
+        assert_eq!(v.sleep()[0].method, Method::POST);
+        assert_eq!(
+            v.sleep()[1].expect,
+            Expect::JsonBool {
+                field: "is_sleeping",
+                value: true
+            }
+        );
+        assert_eq!(v.wake()[0].path, "/wake_up");
+        assert_eq!(v.health().path, "/health");
+    }
+
+    #[test]
+    fn sglang_calls() {
+        let s = Sglang;
+        assert_eq!(s.sleep()[0].path, "/release_memory_occupation");
+        assert_eq!(s.wake()[0].path, "/resume_memory_occupation");
+        assert_eq!(s.wake()[0].json_body, Some("{}"));
+    }
+
+    #[test]
+    fn rejects_bad_urls() {
+        let a = AdapterKind::Vllm.build(1);
+        assert!(EngineClient::new("ftp://x", a.clone()).is_err());
+        assert!(EngineClient::new("not a url", a.clone()).is_err());
+        assert!(EngineClient::new("http://127.0.0.1:1/", a).is_ok());
+    }
+
+    /// A real TCP server that answers 500 / hangs: errors and timeouts surface as errors.
+    #[tokio::test]
+    async fn failures_and_timeouts_are_errors() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut s, _)) = l.accept().await else {
+                    return;
+                };
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    let n = s.read(&mut buf).await.unwrap_or(0);
+                    let req = String::from_utf8_lossy(&buf[..n]).to_string();
+                    if req.starts_with("POST /wake_up") {
+                        tokio::time::sleep(Duration::from_secs(30)).await;
+                    }
+                    let (code, body) = if req.starts_with("POST /sleep") {
+                        ("500 Internal Server Error", "boom")
+                    } else {
+                        ("200 OK", "{\"is_sleeping\": false}")
+                    };
+                    let _ = s
+                        .write_all(
+                            format!(
+                                "HTTP/1.1 {code}\r\ncontent-length: {}\r\n\r\n{body}",
+                                body.len()
+                            )
+                            .as_bytes(),
+                        )
+                        .await;
+                });
+            }
+        });
+        let c = EngineClient::new(&format!("http://{addr}"), AdapterKind::Vllm.build(1)).unwrap();
+        assert!(c.healthy(Duration::from_secs(2)).await);
+        let e = c.sleep(Duration::from_secs(2)).await.unwrap_err();
+        assert!(matches!(e, AdapterError::Status { status: 500, .. }), "{e}");
+        let e = c.wake(Duration::from_millis(200)).await.unwrap_err();
+        assert!(matches!(e, AdapterError::Timeout { .. }), "{e}");
+    }
+}

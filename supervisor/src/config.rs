@@ -1,0 +1,242 @@
+//! `supervisor run` command line (interfaces.md), every flag also read from `SUPERVISOR_*`.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+
+use crate::adapter::AdapterKind;
+use crate::machine::Role;
+
+fn dur(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 250ms, 10s, 5m)"))
+}
+
+/// Byte count: plain bytes (`42949672960`) or a number with a unit: decimal `K`/`KB`, `M`/`MB`,
+/// `G`/`GB`, `T`/`TB` (powers of 1000) or binary `Ki`/`KiB`, `Mi`/`MiB`, `Gi`/`GiB`,
+/// `Ti`/`TiB` (powers of 1024); units are case-insensitive, an optional `B` suffix is accepted.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a byte count (examples: 42949672960, 40GiB, 40G)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "m" | "mb" => 1_000_000,
+        "g" | "gb" => 1_000_000_000,
+        "t" | "tb" => 1_000_000_000_000,
+        "ki" | "kib" => 1 << 10,
+        "mi" | "mib" => 1 << 20,
+        "gi" | "gib" => 1 << 30,
+        "ti" | "tib" => 1 << 40,
+        u => {
+            return Err(format!(
+                "unknown unit {u:?} in {s:?} (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            ))
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} does not fit in 64 bits"))
+}
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// `supervisor run` arguments.
+#[derive(Clone, Debug, Args)]
+pub struct RunArgs {
+    /// Engine id: names this engine in logs, metrics, `/state` and the lock holder name.
+    /// Engine 0 gets the GMS weight role `rw_or_ro`, the others `ro` (Decision 5).
+    #[arg(long, env = "SUPERVISOR_ENGINE_ID")]
+    pub engine_id: u32,
+
+    /// primary: try the lock before sleeping, go straight to Active if free.
+    /// shadow: sleep, then block on the lock.
+    #[arg(long, env = "SUPERVISOR_ROLE", value_enum)]
+    pub role: Role,
+
+    /// lockd endpoint: unix:PATH or tcp:HOST:PORT.
+    #[arg(long, env = "SUPERVISOR_LOCK")]
+    pub lock: lockd::Endpoint,
+
+    /// Lock resource name (all engines sharing the GPUs use the same one).
+    #[arg(long, env = "SUPERVISOR_RESOURCE", default_value = "engine")]
+    pub resource: String,
+
+    /// Holder name sent to lockd (default `engine-<id>`).
+    #[arg(long, env = "SUPERVISOR_HOLDER")]
+    pub holder: Option<String>,
+
+    /// Probe server address (HOST:PORT).
+    #[arg(long, env = "SUPERVISOR_PROBES")]
+    pub probes: String,
+
+    /// Engine flavour.
+    #[arg(long, env = "SUPERVISOR_ADAPTER", value_enum)]
+    pub adapter: AdapterKind,
+
+    /// Engine base URL, e.g. http://127.0.0.1:8000.
+    #[arg(long, env = "SUPERVISOR_ENGINE_URL")]
+    pub engine_url: String,
+
+    /// Waking budget: past it `/live` answers 503 and the supervisor fences the engine.
+    #[arg(long, env = "SUPERVISOR_WAKING_TIMEOUT", value_parser = dur, default_value = "120s")]
+    pub waking_timeout: Duration,
+
+    /// Budget for Init (engine healthy, first sleep).
+    #[arg(long, env = "SUPERVISOR_STARTUP_TIMEOUT", value_parser = dur, default_value = "2h")]
+    pub startup_timeout: Duration,
+
+    /// Budget for the sleep call (and its confirmation).
+    #[arg(long, env = "SUPERVISOR_SLEEP_TIMEOUT", value_parser = dur, default_value = "5m")]
+    pub sleep_timeout: Duration,
+
+    /// vLLM sleep level (1: offload weights, drop KV cache; 2: drop both).
+    #[arg(long, env = "SUPERVISOR_SLEEP_LEVEL", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
+    pub sleep_level: u8,
+
+    /// SIGTERM -> SIGKILL grace period when fencing a live engine.
+    #[arg(long, env = "SUPERVISOR_STOP_GRACE", value_parser = dur, default_value = "10s")]
+    pub stop_grace: Duration,
+
+    /// Background health check period once the engine is up.
+    #[arg(long, env = "SUPERVISOR_HEALTH_INTERVAL", value_parser = dur, default_value = "1s")]
+    pub health_interval: Duration,
+
+    /// Health check period while waiting for the engine to come up in Init.
+    #[arg(long, env = "SUPERVISOR_STARTUP_POLL", value_parser = dur, default_value = "100ms")]
+    pub startup_poll: Duration,
+
+    /// One health check's time limit.
+    #[arg(long, env = "SUPERVISOR_HEALTH_TIMEOUT", value_parser = dur, default_value = "1s")]
+    pub health_timeout: Duration,
+
+    /// One lockd connection attempt's time limit.
+    #[arg(long, env = "SUPERVISOR_LOCK_CONNECT_TIMEOUT", value_parser = dur, default_value = "2s")]
+    pub lock_connect_timeout: Duration,
+
+    /// How long the lock client tries to reclaim a held lease after the connection broke
+    /// (keep it above lockd's --reconnect-window).
+    #[arg(long, env = "SUPERVISOR_LOCK_RECONNECT_TIMEOUT", value_parser = dur, default_value = "15s")]
+    pub lock_reconnect_timeout: Duration,
+
+    /// How long to keep retrying the first lockd connection at startup (lockd may start later
+    /// than us in the pod).
+    #[arg(long, env = "SUPERVISOR_LOCK_WAIT", value_parser = dur, default_value = "60s")]
+    pub lock_wait: Duration,
+
+    /// Keep answering probes (as Dead) this long after fencing, before exiting. The lock is
+    /// already released by then. Useful for debugging and tests; 0 in production.
+    #[arg(long, env = "SUPERVISOR_LINGER", value_parser = dur, default_value = "0s")]
+    pub linger: Duration,
+
+    /// File counting engine starts across container restarts (on an emptyDir); feeds
+    /// `supervisor_engine_restarts_total`. Without it that metric stays 0.
+    #[arg(long, env = "SUPERVISOR_RESTART_COUNTER")]
+    pub restart_counter: Option<PathBuf>,
+
+    /// Run the engine as PID 1 of a new PID namespace (needs CAP_SYS_ADMIN; see README.md):
+    /// when the engine dies the kernel kills every process it started, detached or not.
+    #[arg(long, env = "SUPERVISOR_PID_NAMESPACE")]
+    pub pid_namespace: bool,
+
+    /// The weights GMS socket (GPU Memory Service, host or container path). With it the
+    /// supervisor remembers the committed layout at Standby and, after the lock is granted and
+    /// before waking the engine, checks that the GMS still holds committed weights with that
+    /// layout (a GMS restarted empty while the engine slept fails fast: exit 19). One socket:
+    /// the checks API checks one GMS (TP>1: one device's weights GMS).
+    #[arg(long, env = "SUPERVISOR_GMS")]
+    pub gms: Option<PathBuf>,
+
+    /// NVML device index of the engine's GPU: before waking, wait for `--min-free-memory`; after
+    /// the dead engine was reaped, wait until its processes left the device and its memory came
+    /// back before releasing the lock. Without a GPU driver this is logged once and skipped.
+    #[arg(long, env = "SUPERVISOR_GPU")]
+    pub gpu: Option<u32>,
+
+    /// Bound of the after-reap memory-release wait (and of the before-wake free-memory wait).
+    /// On timeout the lock is released anyway (logged at error, counted; see README.md).
+    #[arg(long, env = "SUPERVISOR_MEMORY_RELEASE_TIMEOUT", value_parser = dur, default_value = "30s")]
+    pub memory_release_timeout: Duration,
+
+    /// Free device memory the engine needs before it is woken (bytes; `40GiB`, `40G` accepted).
+    #[arg(long, env = "SUPERVISOR_MIN_FREE_MEMORY", value_parser = parse_bytes)]
+    pub min_free_memory: Option<u64>,
+
+    /// Bound of each GMS interaction (connect included) at Standby and before waking
+    /// (Decision 6: a finite read-lock wait; healthy grants take < 1 ms).
+    #[arg(long, env = "SUPERVISOR_GMS_HANDSHAKE_TIMEOUT", value_parser = dur, default_value = "30s")]
+    pub gms_handshake_timeout: Duration,
+
+    /// Log format.
+    #[arg(
+        long,
+        env = "SUPERVISOR_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
+    pub log_format: LogFormat,
+
+    /// The engine command line.
+    #[arg(last = true, required = true, num_args = 1..)]
+    pub cmd: Vec<OsString>,
+}
+
+impl RunArgs {
+    /// Holder name sent to lockd.
+    pub fn holder_name(&self) -> String {
+        self.holder
+            .clone()
+            .unwrap_or_else(|| format!("engine-{}", self.engine_id))
+    }
+
+    /// Whether any GPU/GMS check was asked for (`--gms` or `--gpu`).
+    pub fn gpu_checks_requested(&self) -> bool {
+        self.gms.is_some() || self.gpu.is_some()
+    }
+
+    /// The `gms_client::checks` configuration for these flags.
+    pub fn checks_config(&self) -> gms_client::checks::ChecksConfig {
+        gms_client::checks::ChecksConfig {
+            gms_socket: self.gms.clone(),
+            gpu: self.gpu,
+            memory_release_timeout: self.memory_release_timeout,
+            min_free_memory: self.min_free_memory,
+            handshake_timeout: self.gms_handshake_timeout,
+            ..gms_client::checks::ChecksConfig::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn byte_counts() {
+        assert_eq!(parse_bytes("0"), Ok(0));
+        assert_eq!(parse_bytes("42949672960"), Ok(42_949_672_960));
+        assert_eq!(parse_bytes("40GiB"), Ok(40 << 30));
+        assert_eq!(parse_bytes("40gi"), Ok(40 << 30));
+        assert_eq!(parse_bytes("40G"), Ok(40_000_000_000));
+        assert_eq!(parse_bytes("512 MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1KB"), Ok(1000));
+        assert_eq!(parse_bytes("7b"), Ok(7));
+        assert!(parse_bytes("").is_err());
+        assert!(parse_bytes("GiB").is_err());
+        assert!(parse_bytes("1.5GiB").is_err());
+        assert!(parse_bytes("10 parsecs").is_err());
+        assert!(parse_bytes("-1").is_err());
+        assert!(parse_bytes("99999999999TiB").is_err());
+    }
+}

@@ -1,0 +1,258 @@
+//! `supervisor drill`: a self-contained failover drill on this machine.
+//!
+//! It starts its own `lockd serve`, two `supervisor run` (engine 0 primary, engine 1 shadow)
+//! each wrapping a `fake-engine --gpu-claim` (or `--engine-cmd`), all in a temporary
+//! directory and on loopback, then runs N rounds. Each round kills the Active side in one
+//! of the [`schedule::FailureKind`] ways and checks the invariants ([`invariants`]):
+//! at most one engine held the GPU claim at any instant, a new Active within the bound, no
+//! process of the fenced engine alive when the next lease was granted, epochs strictly
+//! increasing; and for a lockd crash, no failover at all. Dead sides are restarted as
+//! shadows, as kubelet would. See docs/DRILL.md.
+//!
+//! Exit codes: 0 every round ran and no invariant was violated; 1 at least one invariant
+//! violation; 2 the drill could not run or had to stop early (bad flags, missing binaries,
+//! the setup never reached one Active + one Standby); 130 / 143 interrupted by SIGINT /
+//! SIGTERM (everything is still cleaned up and the report covers the rounds done).
+//!
+//! Modules: [`schedule`] (which kind each round, engine configs ahead of time),
+//! [`invariants`] (pure checks), [`report`] (statistics, table, JSON), [`svg`] (picture),
+//! [`procs`] and [`observe`] (the I/O the runner uses), `runner` (the orchestration).
+
+pub mod invariants;
+pub mod observe;
+pub mod procs;
+pub mod report;
+mod runner;
+pub mod schedule;
+pub mod svg;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use schedule::Order;
+
+/// Exit code: every round ran, no invariant violated.
+pub const EXIT_OK: i32 = 0;
+/// Exit code: at least one invariant was violated.
+pub const EXIT_VIOLATION: i32 = 1;
+/// Exit code: the drill could not run or stopped early without a violation.
+pub const EXIT_DRILL_ERROR: i32 = 2;
+
+/// The environment variable that switches on the test-only planted bug in supervisors built
+/// with the `planted-bug-early-release` feature (release the lease before the engine is dead).
+/// The drill passes its environment on to the supervisors it starts.
+pub const PLANTED_BUG_ENV: &str = "SUPERVISOR_PLANTED_BUG_EARLY_RELEASE";
+
+/// `supervisor drill` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DrillArgs {
+    /// Rounds to run (each injects one failure).
+    #[arg(long, env = "SUPERVISOR_DRILL_ITERATIONS", default_value_t = 20)]
+    pub iterations: u32,
+
+    /// Write the JSON report here.
+    #[arg(long, env = "SUPERVISOR_DRILL_REPORT")]
+    pub report: Option<PathBuf>,
+
+    /// Write an SVG histogram of failover times (with the per-phase breakdown) here.
+    #[arg(long, env = "SUPERVISOR_DRILL_SVG")]
+    pub svg: Option<PathBuf>,
+
+    /// Seed of the random order (printed; default: from the clock).
+    #[arg(long, env = "SUPERVISOR_DRILL_SEED")]
+    pub seed: Option<u64>,
+
+    /// Failure kinds, comma-separated, or `all`: engine-kill, supervisor-kill,
+    /// detached-worker, hung-wake, lockd-crash, revoke.
+    #[arg(
+        long,
+        env = "SUPERVISOR_DRILL_KINDS",
+        value_delimiter = ',',
+        default_value = "all"
+    )]
+    pub kinds: Vec<String>,
+
+    /// How rounds pick their kind.
+    #[arg(
+        long,
+        env = "SUPERVISOR_DRILL_ORDER",
+        value_enum,
+        default_value = "round-robin"
+    )]
+    pub order: Order,
+
+    /// A failover (kill to new Active) longer than this is a violation. Hung-wake rounds get
+    /// the hung waker's waking timeout on top.
+    #[arg(long, env = "SUPERVISOR_DRILL_FAILOVER_BOUND", value_parser = humantime::parse_duration, default_value = "10s")]
+    pub failover_bound: Duration,
+
+    /// Drill a real engine instead of fake-engine: one command line (split like a shell
+    /// would, quotes allowed), with `{port}`, `{engine_id}`, `{pid_file}` and `{gpu_claim}`
+    /// replaced per engine. Kinds needing fake-engine flags (detached-worker, hung-wake)
+    /// are not available then.
+    #[arg(long, env = "SUPERVISOR_DRILL_ENGINE_CMD")]
+    pub engine_cmd: Option<String>,
+
+    /// The adapter the supervisors drive the engine with.
+    #[arg(long, env = "SUPERVISOR_DRILL_ADAPTER", default_value = "vllm", value_parser = ["vllm", "sglang"])]
+    pub adapter: String,
+
+    /// The engine URL given to the supervisors (`{port}` replaced).
+    #[arg(
+        long,
+        env = "SUPERVISOR_DRILL_ENGINE_URL",
+        default_value = "http://127.0.0.1:{port}"
+    )]
+    pub engine_url: String,
+
+    /// Worker processes per fake engine (tensor-parallel workers).
+    #[arg(long, env = "SUPERVISOR_DRILL_WORKERS", default_value_t = 2)]
+    pub workers: u32,
+
+    /// The short `--waking-timeout` given to the hung waker of a hung-wake round.
+    #[arg(long, env = "SUPERVISOR_DRILL_HUNG_WAKING_TIMEOUT", value_parser = humantime::parse_duration, default_value = "2s")]
+    pub hung_waking_timeout: Duration,
+
+    /// lockd's `--reconnect-window` (how long a lease survives a lockd restart).
+    #[arg(long, env = "SUPERVISOR_DRILL_RECONNECT_WINDOW", value_parser = humantime::parse_duration, default_value = "3s")]
+    pub reconnect_window: Duration,
+
+    /// How long a side may take to start (reach Standby or Active) before the drill gives up.
+    #[arg(long, env = "SUPERVISOR_DRILL_STARTUP_TIMEOUT", value_parser = humantime::parse_duration, default_value = "60s")]
+    pub startup_timeout: Duration,
+
+    /// Kubelet emulation: liveness probe period.
+    #[arg(long, env = "SUPERVISOR_DRILL_LIVENESS_PERIOD", value_parser = humantime::parse_duration, default_value = "250ms")]
+    pub liveness_period: Duration,
+
+    /// Kubelet emulation: consecutive /live failures before the side is killed (SIGTERM).
+    #[arg(long, env = "SUPERVISOR_DRILL_LIVENESS_FAILURES", default_value_t = 3)]
+    pub liveness_failures: u32,
+
+    /// Kubelet emulation: SIGTERM to SIGKILL grace period.
+    #[arg(long, env = "SUPERVISOR_DRILL_TERMINATION_GRACE", value_parser = humantime::parse_duration, default_value = "5s")]
+    pub termination_grace: Duration,
+
+    /// `supervisor run --linger`: how long a fenced supervisor keeps answering probes (as
+    /// Dead) before exiting, so the drill reads its Dead transition. Not on the failover
+    /// path: the lease is released before the linger. `0s` to leave the flag out.
+    #[arg(long, env = "SUPERVISOR_DRILL_SUPERVISOR_LINGER", value_parser = humantime::parse_duration, default_value = "300ms")]
+    pub supervisor_linger: Duration,
+
+    /// Extra argument for every fake-engine (repeatable), e.g. `--engine-arg=--wake=200ms`.
+    #[arg(long, env = "SUPERVISOR_DRILL_ENGINE_ARG", allow_hyphen_values = true)]
+    pub engine_arg: Vec<String>,
+
+    /// Extra argument for every `supervisor run` (repeatable), placed before `--`.
+    #[arg(
+        long,
+        env = "SUPERVISOR_DRILL_SUPERVISOR_ARG",
+        allow_hyphen_values = true
+    )]
+    pub supervisor_arg: Vec<String>,
+
+    /// The supervisor binary to drill (default: this executable).
+    #[arg(long, env = "SUPERVISOR_DRILL_SUPERVISOR_BIN")]
+    pub supervisor_bin: Option<PathBuf>,
+
+    /// The lockd binary (default: `lockd` next to this executable, then $PATH).
+    #[arg(long, env = "SUPERVISOR_DRILL_LOCKD_BIN")]
+    pub lockd_bin: Option<PathBuf>,
+
+    /// The fake-engine binary (default: `fake-engine` next to this executable, then $PATH).
+    #[arg(long, env = "SUPERVISOR_DRILL_FAKE_ENGINE_BIN")]
+    pub fake_engine_bin: Option<PathBuf>,
+
+    /// Keep the temporary directory (process logs, lockd state) instead of removing it.
+    #[arg(long, env = "SUPERVISOR_DRILL_KEEP_DIR")]
+    pub keep_dir: bool,
+
+    /// Run no drill: re-render `--svg` (and print the summary table) from an existing JSON
+    /// report written by `--report`.
+    #[arg(long, env = "SUPERVISOR_DRILL_FROM_REPORT")]
+    pub from_report: Option<PathBuf>,
+
+    /// Plain line per round even on a terminal (no progress bar).
+    #[arg(long, env = "SUPERVISOR_DRILL_PLAIN")]
+    pub plain: bool,
+}
+
+/// TEST-ONLY planted bug (compiled only with the `planted-bug-early-release` feature, which no
+/// release build enables): when [`PLANTED_BUG_ENV`] is `1` (or a duration, e.g. `2s`), the
+/// supervisor calls this at the start of fencing. It releases the lease while the engine tree
+/// is still alive, then waits (default 1s, standing for an engine that takes time to die)
+/// before the normal fencing kills the tree. The drill must catch it: the next holder is
+/// granted while the old engine's processes are alive, and a fake engine whose detached
+/// workers still hold the GPU claim makes the new engine's claim fail.
+#[cfg(feature = "planted-bug-early-release")]
+pub async fn planted_bug_early_release(lock: &mut lockd::client::LockClient, resource: &str) {
+    let Ok(v) = std::env::var(PLANTED_BUG_ENV) else {
+        return;
+    };
+    let delay = match v.trim() {
+        "" | "0" | "false" => return,
+        "1" | "true" => Duration::from_secs(1),
+        other => humantime::parse_duration(other).unwrap_or(Duration::from_secs(1)),
+    };
+    tracing::error!(
+        delay_ms = delay.as_millis() as u64,
+        "PLANTED BUG: releasing the lease before the engine is dead"
+    );
+    if let Err(e) = lock.release(resource).await {
+        tracing::error!(error = %e, "PLANTED BUG: release failed");
+    }
+    tokio::time::sleep(delay).await;
+}
+
+/// Runs the drill on its own tokio runtime; returns the process exit code (see the module
+/// docs). Errors are reported on stderr and mapped to [`EXIT_DRILL_ERROR`]. `RUST_LOG` turns
+/// on the drill's own structured logs (stderr).
+pub fn run(args: DrillArgs) -> anyhow::Result<i32> {
+    if let Some(p) = &args.from_report {
+        return Ok(rerender(p, args.svg.as_deref()));
+    }
+    if std::env::var_os("RUST_LOG").is_some() {
+        crate::cli::init_logging(crate::config::LogFormat::Text);
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let code = rt.block_on(runner::run(args));
+    rt.shutdown_timeout(Duration::from_millis(200));
+    Ok(code)
+}
+
+/// `--from-report`: summary table and SVG from a saved report.
+fn rerender(report: &std::path::Path, svg_out: Option<&std::path::Path>) -> i32 {
+    let text = match std::fs::read_to_string(report) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("supervisor drill: reading {}: {e}", report.display());
+            return EXIT_DRILL_ERROR;
+        }
+    };
+    let rep: report::Report = match serde_json::from_str(&text) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!(
+                "supervisor drill: {} is not a drill report: {e}",
+                report.display()
+            );
+            return EXIT_DRILL_ERROR;
+        }
+    };
+    let summary = report::summarize(&rep.rounds);
+    print!("{}", report::summary_table(&summary));
+    if let Some(out) = svg_out {
+        let title = format!("supervisor drill, {} rounds", rep.rounds.len());
+        let written = svg::render(&rep.rounds, &summary, &title)
+            .map_err(|e| e.to_string())
+            .and_then(|s| std::fs::write(out, s).map_err(|e| e.to_string()));
+        if let Err(e) = written {
+            eprintln!("supervisor drill: writing {}: {e}", out.display());
+            return EXIT_DRILL_ERROR;
+        }
+    }
+    rep.exit_code
+}

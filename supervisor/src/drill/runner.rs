@@ -1,0 +1,1765 @@
+//! The orchestration of a drill: processes, rounds, observation, kubelet emulation, cleanup.
+//! Judging is done by [`super::invariants`]; numbers and output by [`super::report`].
+
+use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use nix::sys::signal::Signal;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::{mpsc, oneshot};
+
+use super::invariants::{
+    self, ActiveInterval, ClaimViolation, FinalActive, GrantObs, RoundObs, Transition,
+};
+use super::observe::{self, LockdStatus, StateDoc};
+use super::procs::{self, now_us, TrackedPid};
+use super::report::{self, Report, RoundRecord};
+use super::schedule::{self, EngineConfig, FailureKind, Order};
+use super::{DrillArgs, EXIT_DRILL_ERROR, EXIT_OK, EXIT_VIOLATION, PLANTED_BUG_ENV};
+
+/// The lock resource the drilled supervisors share.
+const RESOURCE: &str = "engine";
+/// Observation period while a round runs.
+const TICK: Duration = Duration::from_millis(20);
+/// One probe request's time limit.
+const HTTP_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Entry point used by [`super::run`]: never panics on outside input; returns the exit code.
+pub(super) async fn run(args: DrillArgs) -> i32 {
+    let mut drill = match Drill::new(args) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("supervisor drill: {e:#}");
+            return EXIT_DRILL_ERROR;
+        }
+    };
+    let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).ok();
+    let mut sigterm =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    let outcome: std::result::Result<Result<()>, i32> = {
+        let fut = drill.execute();
+        tokio::pin!(fut);
+        tokio::select! {
+            r = &mut fut => Ok(r),
+            _ = async { match sigint.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => Err(130),
+            _ = async { match sigterm.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => Err(143),
+        }
+    };
+    drill.cleanup().await;
+    drill.finish(outcome)
+}
+
+/// The three binaries a drill runs.
+#[derive(Debug, Clone)]
+struct Bins {
+    /// `supervisor` (normally this executable).
+    supervisor: PathBuf,
+    /// `lockd`.
+    lockd: PathBuf,
+    /// `fake-engine`, unless a real engine command is drilled.
+    fake_engine: Option<PathBuf>,
+}
+
+fn find_bin(explicit: Option<&PathBuf>, name: &str) -> Result<PathBuf> {
+    if let Some(p) = explicit {
+        return if p.is_file() {
+            Ok(p.clone())
+        } else {
+            Err(anyhow!("{} does not exist", p.display()))
+        };
+    }
+    if let Some(dir) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(Path::to_path_buf))
+    {
+        let p = dir.join(name);
+        if p.is_file() {
+            return Ok(p);
+        }
+        // `cargo test` binaries live in target/<profile>/deps: look one level up too.
+        if let Some(up) = dir.parent() {
+            let p = up.join(name);
+            if p.is_file() {
+                return Ok(p);
+            }
+        }
+    }
+    for dir in std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()) {
+        let p = dir.join(name);
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    Err(anyhow!(
+        "cannot find `{name}` next to this executable or on $PATH (build it, or pass --{name}-bin)"
+    ))
+}
+
+/// Splits a command line like a POSIX shell would for words and quotes (no expansions).
+pub(super) fn split_command(s: &str) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut in_word = false;
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\'' => {
+                in_word = true;
+                loop {
+                    match chars.next() {
+                        Some('\'') => break,
+                        Some(x) => cur.push(x),
+                        None => bail!("unterminated ' in {s:?}"),
+                    }
+                }
+            }
+            '"' => {
+                in_word = true;
+                loop {
+                    match chars.next() {
+                        Some('"') => break,
+                        Some('\\') => match chars.next() {
+                            Some(x) => cur.push(x),
+                            None => bail!("trailing \\ in {s:?}"),
+                        },
+                        Some(x) => cur.push(x),
+                        None => bail!("unterminated \" in {s:?}"),
+                    }
+                }
+            }
+            '\\' => {
+                in_word = true;
+                match chars.next() {
+                    Some(x) => cur.push(x),
+                    None => bail!("trailing \\ in {s:?}"),
+                }
+            }
+            c if c.is_whitespace() => {
+                if in_word {
+                    out.push(std::mem::take(&mut cur));
+                    in_word = false;
+                }
+            }
+            c => {
+                in_word = true;
+                cur.push(c);
+            }
+        }
+    }
+    if in_word {
+        out.push(cur);
+    }
+    Ok(out)
+}
+
+/// One run of one side's supervisor (+ engine): a "container" life.
+struct Inc {
+    /// Engine id (0 or 1), fixed per side.
+    engine_id: u64,
+    /// Incarnation number of this side (restarts count up), to tell lives apart.
+    n: u32,
+    /// The fake-engine flags it was started with.
+    config: EngineConfig,
+    /// The supervisor's pid (also its process group).
+    sup_pid: u32,
+    /// Its probe server.
+    probes: SocketAddr,
+    /// The engine's HTTP port (the drill sends one completion to each new Active).
+    engine_port: u16,
+    /// Whether that completion was sent (once per incarnation).
+    served: bool,
+    /// The engine's pid file.
+    pid_file: PathBuf,
+    /// When the supervisor exited, as the drill saw it.
+    exit_rx: oneshot::Receiver<(u64, String)>,
+    /// Exit time (microseconds) and status, once exited.
+    exited: Option<(u64, String)>,
+    /// Its processes were killed after it exited (container teardown).
+    torn_down: bool,
+    /// Engine processes (main + workers), pinned by start time.
+    engine_pids: Vec<TrackedPid>,
+    /// The state the pid list was last refreshed in (refreshing scans /proc: not every tick).
+    pids_refreshed_in: String,
+    /// First time the drill saw every engine process dead.
+    engine_gone_us: Option<u64>,
+    /// Last `/state` answer.
+    state: Option<StateDoc>,
+    /// Consecutive liveness failures (kubelet emulation).
+    live_failures: u32,
+    /// Next liveness probe.
+    next_live: Instant,
+    /// When the kubelet emulation sent SIGTERM.
+    term_sent: Option<Instant>,
+}
+
+impl Inc {
+    fn key(&self) -> (u64, u32) {
+        (self.engine_id, self.n)
+    }
+
+    fn state_name(&self) -> &str {
+        if self.exited.is_some() {
+            return "exited";
+        }
+        self.state.as_ref().map_or("starting", |s| s.state.as_str())
+    }
+
+    fn transitions(&self) -> &[Transition] {
+        self.state
+            .as_ref()
+            .map_or(&[], |s| s.transitions.as_slice())
+    }
+
+    fn finished(&self) -> bool {
+        self.exited.is_some() && self.torn_down
+    }
+
+    fn refresh_pids(&mut self) {
+        let mut pids = procs::read_pid_file(&self.pid_file);
+        if let Some(p) = self.state.as_ref().and_then(|s| s.engine_pid) {
+            pids.push(p);
+            pids.extend(procs::descendants(p));
+        }
+        for p in pids {
+            if self.engine_pids.iter().any(|t| t.pid == p) {
+                continue;
+            }
+            if let Some(t) = TrackedPid::pin(p) {
+                self.engine_pids.push(t);
+            }
+        }
+    }
+
+    /// Kills everything of this container: the supervisor's group, the engine's processes
+    /// and their groups (detached workers included).
+    fn teardown(&mut self) -> usize {
+        let alive = self.engine_pids.iter().filter(|p| p.is_alive()).count();
+        procs::kill_group(self.sup_pid);
+        procs::signal_pid(self.sup_pid, Signal::SIGKILL);
+        for p in &self.engine_pids {
+            if p.is_alive() {
+                if let Ok(g) = nix::unistd::getpgid(Some(nix::unistd::Pid::from_raw(p.pid as i32)))
+                {
+                    procs::kill_group(g.as_raw() as u32);
+                }
+                p.kill();
+            }
+        }
+        self.torn_down = true;
+        alive
+    }
+}
+
+/// A message from the `lockd watch` reader.
+struct WatchMsg {
+    /// Grant observation with the fence check done at read time.
+    grant: Option<GrantObs>,
+}
+
+/// The previous lease holder's processes, checked by the watch reader at each grant.
+#[derive(Default)]
+struct Fence {
+    /// The engine life holding the lease (engine id, incarnation): a restarted life of the
+    /// same engine is a different set of processes and must not be mixed in.
+    holder: Option<(u64, u32)>,
+    /// Its engine processes.
+    pids: Vec<TrackedPid>,
+}
+
+/// Where the drill is, for the restart policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Before round `r` (or setting up for it).
+    Between(usize),
+    /// Inside round `r`.
+    InRound(usize),
+    /// Shutting down: no restarts.
+    Stopping,
+}
+
+/// One drill: its settings, its processes and what it has seen so far.
+struct Drill {
+    /// The command line.
+    args: DrillArgs,
+    /// supervisor / lockd / fake-engine paths.
+    bins: Bins,
+    /// The kinds drilled (after `--engine-cmd` filtering), for the report.
+    kinds: Vec<FailureKind>,
+    /// Seed of the random order (printed, in the report).
+    seed: u64,
+    /// The kind of every round, decided up front so engines can be configured ahead.
+    sched: Vec<FailureKind>,
+    /// The temporary directory (socket, state file, claim file, pid files, logs).
+    dir: PathBuf,
+    /// lockd's unix socket.
+    sock: PathBuf,
+    /// The fake engines' shared GPU claim file (`.violations` next to it).
+    claim: PathBuf,
+    /// `lockd serve`.
+    lockd: Option<Child>,
+    /// Its pid (and process group), to SIGKILL it in a lockd-crash round.
+    lockd_pid: Option<u32>,
+    /// `lockd watch`, whose lines give the exact grant moments.
+    watch: Option<Child>,
+    /// Grants read from the watch stream, with the fence check already done.
+    watch_rx: Option<mpsc::UnboundedReceiver<WatchMsg>>,
+    /// The current lease holder's engine processes, shared with the watch reader.
+    fence: Arc<Mutex<Fence>>,
+    /// The running life of engine 0 and engine 1 ("containers").
+    sides: [Option<Inc>; 2],
+    /// Lives that ended (kept for the round's analysis and for cleanup).
+    retired: Vec<Inc>,
+    /// Next incarnation number of each engine.
+    next_n: [u32; 2],
+    /// Every engine process ever tracked, for cleanup.
+    all_pids: Vec<TrackedPid>,
+    /// Every process group started (supervisors, lockd, watch), for cleanup.
+    sup_pgids: Vec<u32>,
+    /// Where the drill is (decides how a restarted side is configured).
+    phase: Phase,
+    /// Newest epoch seen (grants and /state), for the strictly-increasing check.
+    last_epoch: Option<u64>,
+    /// Grants seen since the current round began.
+    grants: Vec<GrantObs>,
+    /// A new grant (epoch, holder) whose engine life is not identified yet.
+    pending_grant: Option<(Option<u64>, Option<String>)>,
+    /// Holder names learnt from grants, to engine ids.
+    holder_names: HashMap<String, u64>,
+    /// Every finished round.
+    records: Vec<RoundRecord>,
+    /// The progress bar on a terminal.
+    progress: Option<indicatif::ProgressBar>,
+    /// The planted-bug switch is set in our environment (reported, warned about).
+    planted: bool,
+    /// Wall-clock start, for the report.
+    started_us: u64,
+    /// Why the drill stopped early, if it did.
+    aborted: Option<String>,
+    /// Things seen during the current round that are worth a note in its record.
+    round_notes: Vec<String>,
+}
+
+impl Drill {
+    fn new(args: DrillArgs) -> Result<Drill> {
+        let kinds = schedule::parse_kinds(&args.kinds)?;
+        if args.engine_cmd.is_some() {
+            if let Some(k) = kinds.iter().find(|k| k.needs_fake_engine()) {
+                if args
+                    .kinds
+                    .iter()
+                    .any(|s| s.split(',').any(|x| x.trim() == k.name()))
+                {
+                    bail!("--kinds {k} needs fake-engine flags and cannot drill --engine-cmd");
+                }
+            }
+        }
+        let kinds: Vec<FailureKind> = if args.engine_cmd.is_some() {
+            kinds
+                .into_iter()
+                .filter(|k| !k.needs_fake_engine())
+                .collect()
+        } else {
+            kinds
+        };
+        if kinds.is_empty() {
+            bail!("no failure kind left to drill");
+        }
+        let seed = args
+            .seed
+            .unwrap_or_else(|| now_us() ^ (u64::from(std::process::id()) << 32));
+        let sched = schedule::schedule(&kinds, args.order, args.iterations as usize, seed);
+        let supervisor = match &args.supervisor_bin {
+            Some(p) => find_bin(Some(p), "supervisor")?,
+            None => std::env::current_exe().context("locating this executable")?,
+        };
+        let bins = Bins {
+            supervisor,
+            lockd: find_bin(args.lockd_bin.as_ref(), "lockd")?,
+            fake_engine: if args.engine_cmd.is_some() {
+                None
+            } else {
+                Some(find_bin(args.fake_engine_bin.as_ref(), "fake-engine")?)
+            },
+        };
+        if let Some(cmd) = &args.engine_cmd {
+            if split_command(cmd)?.is_empty() {
+                bail!("--engine-cmd is empty");
+            }
+        }
+        // Unix socket paths are limited to ~108 bytes: keep the directory short.
+        let base = std::env::temp_dir();
+        let base = if base.as_os_str().len() > 60 {
+            PathBuf::from("/tmp")
+        } else {
+            base
+        };
+        let dir = base.join(format!(
+            "supervisor-drill-{}-{:x}",
+            std::process::id(),
+            now_us() & 0xffffff
+        ));
+        std::fs::create_dir_all(dir.join("logs"))
+            .with_context(|| format!("creating {}", dir.display()))?;
+        if let Err(e) = procs::become_subreaper() {
+            eprintln!("supervisor drill: cannot become a child subreaper ({e}); orphans may escape cleanup");
+        }
+        let planted = std::env::var(PLANTED_BUG_ENV).is_ok_and(|v| v == "1" || v == "true");
+        let progress = if !args.plain && std::io::stderr().is_terminal() {
+            let pb = indicatif::ProgressBar::new(u64::from(args.iterations));
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} {msg}",
+            ) {
+                pb.set_style(style);
+            }
+            // Keeps the spinner and clock moving through long rounds (hung wakes).
+            pb.enable_steady_tick(Duration::from_millis(200));
+            Some(pb)
+        } else {
+            None
+        };
+        Ok(Drill {
+            sock: dir.join("lockd.sock"),
+            claim: dir.join("gpu.claim"),
+            dir,
+            args,
+            bins,
+            kinds,
+            seed,
+            sched,
+            lockd: None,
+            lockd_pid: None,
+            watch: None,
+            watch_rx: None,
+            fence: Arc::new(Mutex::new(Fence::default())),
+            sides: [None, None],
+            retired: Vec::new(),
+            next_n: [0, 0],
+            all_pids: Vec::new(),
+            sup_pgids: Vec::new(),
+            phase: Phase::Between(0),
+            last_epoch: None,
+            grants: Vec::new(),
+            pending_grant: None,
+            holder_names: HashMap::new(),
+            records: Vec::new(),
+            progress,
+            planted,
+            started_us: now_us(),
+            aborted: None,
+            round_notes: Vec::new(),
+        })
+    }
+
+    fn say(&self, line: &str) {
+        match &self.progress {
+            Some(pb) => pb.println(line),
+            None => println!("{line}"),
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("unix:{}", self.sock.display())
+    }
+
+    // ---------------------------------------------------------------- processes
+
+    fn log_file(&self, name: &str) -> Result<(Stdio, Stdio)> {
+        let p = self.dir.join("logs").join(name);
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&p)?;
+        let g = f.try_clone()?;
+        Ok((Stdio::from(f), Stdio::from(g)))
+    }
+
+    fn command(&self, program: &Path, log: &str) -> Result<Command> {
+        let mut c = Command::new(program);
+        let (out, err) = self.log_file(log)?;
+        c.stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0)
+            .kill_on_drop(true);
+        Ok(c)
+    }
+
+    async fn start_lockd(&mut self) -> Result<()> {
+        let mut c = self.command(&self.bins.lockd.clone(), "lockd.log")?;
+        c.arg("serve")
+            .arg("--listen")
+            .arg(self.endpoint())
+            .arg("--state")
+            .arg(self.dir.join("lockd.state"))
+            .arg("--reconnect-window")
+            .arg(humantime::format_duration(self.args.reconnect_window).to_string());
+        let child = c.spawn().context("starting lockd")?;
+        self.lockd_pid = child.id();
+        if let Some(p) = child.id() {
+            self.sup_pgids.push(p);
+        }
+        self.lockd = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(ch) = self.lockd.as_mut() {
+                if let Ok(Some(st)) = ch.try_wait() {
+                    bail!(
+                        "lockd exited at start ({st}); see {}",
+                        self.dir.join("logs/lockd.log").display()
+                    );
+                }
+            }
+            if self.sock.exists() && self.lockd_status().await.is_ok() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("lockd did not answer within 10s");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn lockd_cmd(&self, args: &[&str], timeout: Duration) -> Result<(bool, String)> {
+        let mut c = Command::new(&self.bins.lockd);
+        c.args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let out = tokio::time::timeout(timeout, c.output())
+            .await
+            .map_err(|_| anyhow!("lockd {} timed out", args.first().copied().unwrap_or("")))??;
+        let mut text = String::from_utf8_lossy(&out.stdout).to_string();
+        if !out.status.success() {
+            text.push_str(&String::from_utf8_lossy(&out.stderr));
+        }
+        Ok((out.status.success(), text))
+    }
+
+    async fn lockd_status(&self) -> Result<LockdStatus> {
+        let ep = self.endpoint();
+        let (ok, text) = self
+            .lockd_cmd(&["status", "--connect", &ep], Duration::from_secs(3))
+            .await?;
+        if !ok {
+            bail!("lockd status failed: {}", text.trim());
+        }
+        Ok(serde_json::from_str(text.trim())?)
+    }
+
+    fn start_watch(&mut self) -> Result<()> {
+        if let Some(mut w) = self.watch.take() {
+            let _ = w.start_kill();
+        }
+        let mut c = Command::new(&self.bins.lockd);
+        let (_, err) = self.log_file("lockd-watch.log")?;
+        c.arg("watch")
+            .arg("--connect")
+            .arg(self.endpoint())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(err)
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut child = c.spawn().context("starting lockd watch")?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow!("no stdout from lockd watch"))?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let fence = Arc::clone(&self.fence);
+        let log = self.dir.join("logs/lockd-watch.events");
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).lines();
+            let mut logf = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(log)
+                .ok();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let seen = now_us();
+                let Some(ev) = observe::parse_watch_line(&line) else {
+                    continue;
+                };
+                let grant = (ev.is_grant() && ev.resource.as_deref().is_none_or(|r| r == RESOURCE))
+                    .then(|| {
+                        // The fencing check, as close to the grant as the drill can see it.
+                        let (engine_id, alive) = match fence.lock() {
+                            Ok(f) if !ev.reclaimed => (
+                                f.holder.map(|h| h.0),
+                                f.pids
+                                    .iter()
+                                    .filter(|p| p.is_alive())
+                                    .map(|p| p.pid)
+                                    .collect(),
+                            ),
+                            Ok(f) => (f.holder.map(|h| h.0), Vec::new()),
+                            Err(_) => (None, Vec::new()),
+                        };
+                        GrantObs {
+                            seen_at_unix_us: seen,
+                            epoch: ev.epoch,
+                            holder: ev.holder.clone(),
+                            reclaimed: ev.reclaimed,
+                            previous_engine_id: engine_id,
+                            previous_alive_pids: alive,
+                        }
+                    });
+                if let Some(f) = logf.as_mut() {
+                    use std::io::Write;
+                    let _ = writeln!(f, "{seen} {line}");
+                }
+                if tx.send(WatchMsg { grant }).is_err() {
+                    break;
+                }
+            }
+        });
+        if let Some(p) = child.id() {
+            self.sup_pgids.push(p);
+        }
+        self.watch = Some(child);
+        self.watch_rx = Some(rx);
+        Ok(())
+    }
+
+    fn engine_cmd(
+        &self,
+        engine_id: u64,
+        port: u16,
+        pid_file: &Path,
+        cfg: EngineConfig,
+    ) -> Result<Vec<String>> {
+        let subst = |s: &str| {
+            s.replace("{port}", &port.to_string())
+                .replace("{engine_id}", &engine_id.to_string())
+                .replace("{pid_file}", &pid_file.display().to_string())
+                .replace("{gpu_claim}", &self.claim.display().to_string())
+        };
+        if let Some(cmd) = &self.args.engine_cmd {
+            return Ok(split_command(cmd)?.iter().map(|w| subst(w)).collect());
+        }
+        let fe = self
+            .bins
+            .fake_engine
+            .as_ref()
+            .ok_or_else(|| anyhow!("no fake-engine"))?;
+        let mut v = vec![
+            fe.display().to_string(),
+            "--port".into(),
+            port.to_string(),
+            "--engine-id".into(),
+            engine_id.to_string(),
+            "--gpu-claim".into(),
+            self.claim.display().to_string(),
+            "--pid-file".into(),
+            pid_file.display().to_string(),
+            "--workers".into(),
+            self.args.workers.to_string(),
+        ];
+        if cfg.detach_workers {
+            v.push("--detach-workers".into());
+        }
+        if cfg.hung_wake {
+            v.push("--wake".into());
+            v.push("1h".into());
+        }
+        v.extend(self.args.engine_arg.iter().map(|a| subst(a)));
+        Ok(v)
+    }
+
+    fn start_side(&mut self, side: usize, role: &str, cfg: EngineConfig) -> Result<()> {
+        let engine_id = side as u64;
+        let n = self.next_n[side];
+        self.next_n[side] += 1;
+        let probes: SocketAddr = ([127, 0, 0, 1], procs::free_port()?).into();
+        let port = procs::free_port()?;
+        let pid_file = self.dir.join(format!("engine-{engine_id}.{n}.pids"));
+        let mut c = self.command(
+            &self.bins.supervisor.clone(),
+            &format!("engine-{engine_id}.{n}.log"),
+        )?;
+        c.arg("run")
+            .args(["--engine-id", &engine_id.to_string(), "--role", role])
+            .args(["--lock", &self.endpoint(), "--resource", RESOURCE])
+            .args([
+                "--probes",
+                &probes.to_string(),
+                "--adapter",
+                &self.args.adapter,
+            ])
+            .args([
+                "--engine-url",
+                &self.args.engine_url.replace("{port}", &port.to_string()),
+            ]);
+        if !self.args.supervisor_linger.is_zero() {
+            c.arg("--linger")
+                .arg(humantime::format_duration(self.args.supervisor_linger).to_string());
+        }
+        if cfg.hung_wake {
+            c.arg("--waking-timeout")
+                .arg(humantime::format_duration(self.args.hung_waking_timeout).to_string());
+        }
+        c.args(&self.args.supervisor_arg);
+        c.arg("--")
+            .args(self.engine_cmd(engine_id, port, &pid_file, cfg)?);
+        // If the drill itself dies, its supervisors die (the drill spawns from the main thread).
+        // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            c.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = c
+            .spawn()
+            .with_context(|| format!("starting supervisor for engine {engine_id}"))?;
+        let sup_pid = child
+            .id()
+            .ok_or_else(|| anyhow!("supervisor exited at once"))?;
+        self.sup_pgids.push(sup_pid);
+        let (tx, rx) = oneshot::channel();
+        tokio::spawn(async move {
+            let st = child.wait().await;
+            let _ = tx.send((
+                now_us(),
+                st.map_or_else(|e| e.to_string(), |s| s.to_string()),
+            ));
+        });
+        tracing::info!(
+            engine_id,
+            incarnation = n,
+            role,
+            ?cfg,
+            sup_pid,
+            "drill: side started"
+        );
+        self.sides[side] = Some(Inc {
+            engine_id,
+            n,
+            config: cfg,
+            sup_pid,
+            probes,
+            engine_port: port,
+            served: false,
+            pid_file,
+            exit_rx: rx,
+            exited: None,
+            torn_down: false,
+            engine_pids: Vec::new(),
+            pids_refreshed_in: String::new(),
+            engine_gone_us: None,
+            state: None,
+            live_failures: 0,
+            next_live: Instant::now() + self.args.liveness_period,
+            term_sent: None,
+        });
+        Ok(())
+    }
+
+    /// The configuration a side restarted now gets (see schedule.rs).
+    fn restart_config(&self, side: usize) -> EngineConfig {
+        match self.phase {
+            Phase::InRound(r) => {
+                let other_hangs = self.sides[1 - side]
+                    .as_ref()
+                    .is_some_and(|o| o.config.hung_wake && !o.finished());
+                if self.sched.get(r) == Some(&FailureKind::HungWake) && other_hangs {
+                    schedule::active_config(&self.sched, r + 1)
+                } else {
+                    schedule::standby_config(&self.sched, r + 1)
+                }
+            }
+            Phase::Between(r) => schedule::standby_config(&self.sched, r),
+            Phase::Stopping => EngineConfig::default(),
+        }
+    }
+
+    // ---------------------------------------------------------------- observation
+
+    async fn tick(&mut self) {
+        // 1. Lock events.
+        if let Some(rx) = self.watch_rx.as_mut() {
+            while let Ok(m) = rx.try_recv() {
+                if let Some(g) = m.grant {
+                    if let Some(e) = g.epoch {
+                        self.last_epoch = Some(self.last_epoch.map_or(e, |l| l.max(e)));
+                    }
+                    if !g.reclaimed {
+                        self.pending_grant = Some((g.epoch, g.holder.clone()));
+                    }
+                    self.grants.push(g);
+                }
+            }
+        }
+        // 2. Supervisor states.
+        let a0 = self.sides[0]
+            .as_ref()
+            .filter(|i| i.exited.is_none())
+            .map(|i| i.probes);
+        let a1 = self.sides[1]
+            .as_ref()
+            .filter(|i| i.exited.is_none())
+            .map(|i| i.probes);
+        let (s0, s1) = tokio::join!(poll_state(a0), poll_state(a1));
+        for (side, s) in [(0usize, s0), (1usize, s1)] {
+            if let (Some(inc), Some(s)) = (self.sides[side].as_mut(), s) {
+                inc.state = Some(s);
+            }
+        }
+        // 3. Exits, engine pids, engine death.
+        let now = now_us();
+        for side in 0..2 {
+            let Some(inc) = self.sides[side].as_mut() else {
+                continue;
+            };
+            if inc.exited.is_none() {
+                if let Ok(x) = inc.exit_rx.try_recv() {
+                    tracing::info!(engine_id = inc.engine_id, incarnation = inc.n, status = %x.1, "drill: supervisor exited");
+                    inc.exited = Some(x);
+                }
+            }
+            let st = inc.state_name().to_string();
+            if inc.exited.is_none()
+                && matches!(st.as_str(), "standby" | "waking" | "active")
+                && inc.pids_refreshed_in != st
+            {
+                inc.pids_refreshed_in = st;
+                let before = inc.engine_pids.len();
+                inc.refresh_pids();
+                if inc.engine_pids.len() != before {
+                    for p in &inc.engine_pids[before..] {
+                        self.all_pids.push(*p);
+                    }
+                }
+            }
+            for p in &inc.engine_pids {
+                p.reap_if_zombie();
+            }
+            if inc.engine_gone_us.is_none()
+                && !inc.engine_pids.is_empty()
+                && inc.engine_pids.iter().all(|p| !p.is_alive())
+            {
+                inc.engine_gone_us = Some(now);
+            }
+        }
+        // 4. A new Active serves one completion (a fake engine takes its GPU claim on wake, or
+        //    on first serve when it never slept, as the primary).
+        if self.args.engine_cmd.is_none() {
+            for side in 0..2 {
+                let Some(inc) = self.sides[side].as_mut() else {
+                    continue;
+                };
+                if inc.served || inc.exited.is_some() || inc.state_name() != "active" {
+                    continue;
+                }
+                inc.served = true;
+                let addr: SocketAddr = ([127, 0, 0, 1], inc.engine_port).into();
+                let body = r#"{"model":"drill","prompt":"drill","max_tokens":1}"#;
+                let (eid, n) = (inc.engine_id, inc.n);
+                match observe::http_request(
+                    addr,
+                    "POST",
+                    "/v1/completions",
+                    Some(body),
+                    HTTP_TIMEOUT,
+                )
+                .await
+                {
+                    Ok((200, b)) => {
+                        let v: serde_json::Value = serde_json::from_slice(&b).unwrap_or_default();
+                        if v.get("engine_id")
+                            .and_then(|x| x.as_u64())
+                            .is_some_and(|x| x != eid)
+                        {
+                            self.round_notes.push(format!(
+                                "engine {eid}.{n} answered a completion as engine {}",
+                                v["engine_id"]
+                            ));
+                        }
+                    }
+                    Ok((code, b)) => self.round_notes.push(format!(
+                        "engine {eid}.{n} is Active but its completion failed ({code}): {}",
+                        String::from_utf8_lossy(&b)
+                            .chars()
+                            .take(200)
+                            .collect::<String>()
+                    )),
+                    Err(e) => self.round_notes.push(format!(
+                        "engine {eid}.{n} is Active but its completion failed: {e}"
+                    )),
+                }
+            }
+        }
+        // 5. Who holds the lease now (for the fence check of the next grant).
+        self.identify_holder();
+        // 6. Kubelet: liveness probes, container teardown and restarts.
+        self.kubelet().await;
+    }
+
+    fn identify_holder(&mut self) {
+        let Some((epoch, holder)) = self.pending_grant.clone() else {
+            // Keep the fence's pid list current for the known holder.
+            let key = self.fence.lock().ok().and_then(|f| f.holder);
+            if let Some(key) = key {
+                if let Some(inc) = self.sides.iter().flatten().find(|i| i.key() == key) {
+                    if let Ok(mut f) = self.fence.lock() {
+                        for p in &inc.engine_pids {
+                            if !f.pids.contains(p) {
+                                f.pids.push(*p);
+                            }
+                        }
+                    }
+                }
+            }
+            return;
+        };
+        let by_name = holder
+            .as_ref()
+            .and_then(|h| self.holder_names.get(h).copied());
+        // The life whose /state reports the granted epoch (even if it already died: its
+        // processes are what the next grant must find dead); without an epoch, the one of the
+        // named engine now waking or active.
+        let found = self
+            .sides
+            .iter()
+            .flatten()
+            .chain(self.retired.iter())
+            .find(|i| match epoch {
+                Some(e) => {
+                    i.state.as_ref().is_some_and(|s| s.epoch == Some(e))
+                        && by_name.is_none_or(|eid| i.engine_id == eid)
+                }
+                None => {
+                    i.exited.is_none()
+                        && matches!(i.state_name(), "waking" | "active")
+                        && by_name.is_none_or(|eid| i.engine_id == eid)
+                }
+            });
+        if let Some(inc) = found {
+            if let Some(h) = holder {
+                self.holder_names.insert(h, inc.engine_id);
+            }
+            if let Ok(mut f) = self.fence.lock() {
+                f.holder = Some(inc.key());
+                f.pids = inc.engine_pids.clone();
+            }
+            self.pending_grant = None;
+        }
+    }
+
+    async fn kubelet(&mut self) {
+        for side in 0..2 {
+            // Liveness probe.
+            let (due, addr, started) = match self.sides[side].as_ref() {
+                Some(i) if i.exited.is_none() && i.term_sent.is_none() => (
+                    Instant::now() >= i.next_live,
+                    i.probes,
+                    !matches!(i.state_name(), "starting" | "init"),
+                ),
+                _ => (false, ([127, 0, 0, 1], 0).into(), false),
+            };
+            if due && started {
+                let ok = matches!(
+                    observe::http_get(addr, "/live", HTTP_TIMEOUT).await,
+                    Ok((200, _))
+                );
+                if let Some(i) = self.sides[side].as_mut() {
+                    i.next_live = Instant::now() + self.args.liveness_period;
+                    i.live_failures = if ok { 0 } else { i.live_failures + 1 };
+                    if i.live_failures >= self.args.liveness_failures && i.exited.is_none() {
+                        tracing::info!(
+                            engine_id = i.engine_id,
+                            incarnation = i.n,
+                            "drill: liveness failed, SIGTERM (kubelet)"
+                        );
+                        procs::signal_pid(i.sup_pid, Signal::SIGTERM);
+                        i.term_sent = Some(Instant::now());
+                    }
+                }
+            }
+            // Grace period over: SIGKILL the container.
+            if let Some(i) = self.sides[side].as_mut() {
+                if i.exited.is_none()
+                    && i.term_sent
+                        .is_some_and(|t| t.elapsed() > self.args.termination_grace)
+                {
+                    i.teardown();
+                }
+            }
+            // Exited: tear down what is left (the container is gone), restart as shadow.
+            let exited = self.sides[side]
+                .as_ref()
+                .is_some_and(|i| i.exited.is_some());
+            if exited {
+                let Some(mut inc) = self.sides[side].take() else {
+                    continue;
+                };
+                let left = inc.teardown();
+                if left > 0 {
+                    tracing::info!(engine_id = inc.engine_id, incarnation = inc.n, left, "drill: engine processes outlived the supervisor; killed (container teardown)");
+                }
+                self.retired.push(inc);
+                if self.phase != Phase::Stopping {
+                    let cfg = self.restart_config(side);
+                    if let Err(e) = self.start_side(side, "shadow", cfg) {
+                        self.say(&format!("drill: cannot restart engine {side}: {e:#}"));
+                    }
+                }
+            }
+        }
+    }
+
+    async fn wait_until(&mut self, timeout: Duration, pred: impl Fn(&Drill) -> bool) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.tick().await;
+            if pred(self) {
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(TICK).await;
+        }
+    }
+
+    fn side_in(&self, state: &str) -> Option<usize> {
+        (0..2).find(|s| {
+            self.sides[*s]
+                .as_ref()
+                .is_some_and(|i| i.state_name() == state)
+        })
+    }
+
+    fn steady(&self) -> Option<(usize, usize)> {
+        let a = self.side_in("active")?;
+        let b = 1 - a;
+        (self.sides[b].as_ref()?.state_name() == "standby").then_some((a, b))
+    }
+
+    fn find_inc(&self, key: (u64, u32)) -> Option<&Inc> {
+        self.sides
+            .iter()
+            .flatten()
+            .chain(self.retired.iter())
+            .find(|i| i.key() == key)
+    }
+
+    fn claim_lines(&self) -> Vec<String> {
+        let mut p = self.claim.clone().into_os_string();
+        p.push(".violations");
+        std::fs::read_to_string(PathBuf::from(p))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_string)
+            .collect()
+    }
+
+    // ---------------------------------------------------------------- the drill
+
+    async fn execute(&mut self) -> Result<()> {
+        eprintln!(
+            "supervisor drill: {} rounds, kinds {}, order {}, seed {}, dir {}",
+            self.args.iterations,
+            self.kinds
+                .iter()
+                .map(|k| k.name())
+                .collect::<Vec<_>>()
+                .join(","),
+            match self.args.order {
+                Order::RoundRobin => "round-robin",
+                Order::Random => "random",
+            },
+            self.seed,
+            self.dir.display()
+        );
+        if self.planted {
+            eprintln!("supervisor drill: {PLANTED_BUG_ENV} is set: supervisors built with the planted bug release the lease before their engine is dead");
+        }
+        self.start_lockd().await?;
+        self.start_watch()?;
+        self.phase = Phase::Between(0);
+        self.start_side(0, "primary", schedule::active_config(&self.sched, 0))?;
+        let t = self.args.startup_timeout;
+        if !self
+            .wait_until(t, |d| {
+                d.sides[0]
+                    .as_ref()
+                    .is_some_and(|i| i.state_name() == "active")
+            })
+            .await
+        {
+            bail!(
+                "engine 0 did not become Active within {t:?} (logs in {})",
+                self.dir.join("logs").display()
+            );
+        }
+        self.start_side(1, "shadow", schedule::standby_config(&self.sched, 0))?;
+        if !self.wait_until(t, |d| d.steady().is_some()).await {
+            bail!(
+                "engine 1 did not reach Standby within {t:?} (logs in {})",
+                self.dir.join("logs").display()
+            );
+        }
+        for r in 0..self.sched.len() {
+            self.phase = Phase::Between(r);
+            if let Err(e) = self.prepare(r).await {
+                self.aborted = Some(format!("before round {}: {e:#}", r + 1));
+                return Err(e);
+            }
+            self.phase = Phase::InRound(r);
+            let rec = self.round(r).await?;
+            let line = rec.line(self.args.iterations);
+            self.say(&line);
+            if let Some(pb) = &self.progress {
+                pb.inc(1);
+                let v: usize = self
+                    .records
+                    .iter()
+                    .map(|r| r.violations.len())
+                    .sum::<usize>()
+                    + rec.violations.len();
+                pb.set_message(format!("{v} violations"));
+            }
+            self.records.push(rec);
+        }
+        Ok(())
+    }
+
+    /// Brings the drill to one Active + one Standby configured for round `r`.
+    async fn prepare(&mut self, r: usize) -> Result<()> {
+        let t = self.args.startup_timeout;
+        if !self.wait_until(t, |d| d.steady().is_some()).await {
+            self.say("drill: no steady Active + Standby; restarting both sides");
+            self.reset().await?;
+        }
+        let want = schedule::standby_config(&self.sched, r);
+        let Some((_, b)) = self.steady() else {
+            bail!("lost the steady state")
+        };
+        if self.sides[b].as_ref().is_some_and(|i| i.config != want) {
+            if let Some(i) = self.sides[b].as_mut() {
+                procs::signal_pid(i.sup_pid, Signal::SIGTERM);
+            }
+            let old = self.sides[b].as_ref().map(Inc::key);
+            let ok = self
+                .wait_until(t, |d| {
+                    d.steady().is_some_and(|(_, s)| {
+                        d.sides[s]
+                            .as_ref()
+                            .is_some_and(|i| Some(i.key()) != old && i.config == want)
+                    })
+                })
+                .await;
+            if !ok {
+                bail!("could not restart the standby with {want:?} within {t:?}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Last resort when the sides are stuck: kill both, restart primary + shadow.
+    async fn reset(&mut self) -> Result<()> {
+        let saved = self.phase;
+        self.phase = Phase::Stopping;
+        for side in 0..2 {
+            if let Some(mut i) = self.sides[side].take() {
+                i.teardown();
+                self.retired.push(i);
+            }
+        }
+        self.phase = saved;
+        let r = match saved {
+            Phase::Between(r) => r,
+            Phase::InRound(r) => r + 1,
+            Phase::Stopping => 0,
+        };
+        let t = self.args.startup_timeout;
+        self.start_side(0, "primary", schedule::active_config(&self.sched, r))?;
+        if !self.wait_until(t, |d| d.side_in("active").is_some()).await {
+            bail!("after a reset no engine became Active within {t:?}");
+        }
+        let free = (0..2).find(|s| self.sides[*s].is_none());
+        if let Some(s) = free {
+            self.start_side(s, "shadow", schedule::standby_config(&self.sched, r))?;
+        }
+        if !self.wait_until(t, |d| d.steady().is_some()).await {
+            bail!("after a reset the sides did not reach Active + Standby within {t:?}");
+        }
+        Ok(())
+    }
+
+    async fn round(&mut self, r: usize) -> Result<RoundRecord> {
+        let kind = self.sched[r];
+        let (a, b) = self
+            .steady()
+            .ok_or_else(|| anyhow!("not steady at round start"))?;
+        let mut notes = Vec::new();
+        let victim_key = self.sides[a]
+            .as_ref()
+            .map(Inc::key)
+            .ok_or_else(|| anyhow!("no active"))?;
+        let taker_key = self.sides[b].as_ref().map(Inc::key);
+        let victim_cfg = self.sides[a].as_ref().map(|i| i.config).unwrap_or_default();
+        if kind == FailureKind::DetachedWorker && !victim_cfg.detach_workers {
+            notes.push("setup: the Active engine runs without --detach-workers".to_string());
+        }
+        // Refresh the victim's pids (and the fence) right before the kill.
+        if let Some(i) = self.sides[a].as_mut() {
+            let before = i.engine_pids.len();
+            i.refresh_pids();
+            self.all_pids
+                .extend(i.engine_pids[before..].iter().copied());
+        }
+        self.identify_holder();
+        let epoch_before = self
+            .last_epoch
+            .or_else(|| self.sides[a].as_ref().and_then(|i| i.state.as_ref()?.epoch));
+        let claim_before = self.claim_lines().len();
+        self.grants.clear();
+        self.round_notes.clear();
+        self.retired.retain(|i| !i.finished() || i.exited.is_none());
+        let victim_pid = self.sides[a].as_ref().and_then(|i| {
+            i.state
+                .as_ref()
+                .and_then(|s| s.engine_pid)
+                .or_else(|| procs::read_pid_file(&i.pid_file).first().copied())
+        });
+        let sup_pid = self.sides[a].as_ref().map(|i| i.sup_pid).unwrap_or(0);
+        let mut bound = self.args.failover_bound;
+        if kind == FailureKind::HungWake {
+            bound += self.args.hung_waking_timeout;
+        }
+        let holder_before = if kind == FailureKind::LockdCrash {
+            self.lockd_status()
+                .await
+                .ok()
+                .and_then(|s| s.resource(RESOURCE).cloned())
+        } else {
+            None
+        };
+
+        // ---- inject
+        let t_kill = now_us();
+        let kill_at = Instant::now();
+        match kind {
+            FailureKind::EngineKill | FailureKind::DetachedWorker | FailureKind::HungWake => {
+                match victim_pid {
+                    Some(p) => procs::signal_pid(p, Signal::SIGKILL),
+                    None => bail!("round {}: the Active engine's pid is unknown", r + 1),
+                }
+            }
+            FailureKind::SupervisorKill => procs::signal_pid(sup_pid, Signal::SIGKILL),
+            FailureKind::Revoke => {
+                let ep = self.endpoint();
+                match self
+                    .lockd_cmd(
+                        &[
+                            "revoke",
+                            "--connect",
+                            &ep,
+                            "--resource",
+                            RESOURCE,
+                            "--reason",
+                            "supervisor drill",
+                        ],
+                        Duration::from_secs(5),
+                    )
+                    .await
+                {
+                    Ok((true, _)) => {}
+                    Ok((false, t)) => notes.push(format!("lockd revoke failed: {}", t.trim())),
+                    Err(e) => notes.push(format!("lockd revoke: {e:#}")),
+                }
+            }
+            FailureKind::LockdCrash => {
+                if let Some(p) = self.lockd_pid {
+                    procs::signal_pid(p, Signal::SIGKILL);
+                }
+                if let Some(mut l) = self.lockd.take() {
+                    let _ = tokio::time::timeout(Duration::from_secs(5), l.wait()).await;
+                }
+                self.start_lockd()
+                    .await
+                    .context("restarting lockd after the crash")?;
+                self.start_watch()?;
+            }
+        }
+
+        // ---- observe
+        let mut recovery_us = None;
+        let mut lease_reclaimed = None;
+        if kind == FailureKind::LockdCrash {
+            let settle = self.args.reconnect_window + Duration::from_secs(1);
+            let deadline = kill_at + self.args.reconnect_window + self.args.failover_bound;
+            let want = holder_before.as_ref().and_then(|h| h.holder.clone());
+            loop {
+                self.tick().await;
+                if recovery_us.is_none() {
+                    if let Ok(s) = self.lockd_status().await {
+                        if let Some(res) = s.resource(RESOURCE) {
+                            if res.state.as_deref() == Some("held")
+                                && res.holder == want
+                                && want.is_some()
+                            {
+                                recovery_us = Some(now_us() - t_kill);
+                                lease_reclaimed = Some(true);
+                            }
+                        }
+                    }
+                }
+                if recovery_us.is_some() && kill_at.elapsed() >= settle {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    lease_reclaimed = Some(recovery_us.is_some());
+                    break;
+                }
+                tokio::time::sleep(TICK).await;
+            }
+        } else {
+            let deadline = kill_at + bound + Duration::from_secs(2);
+            loop {
+                self.tick().await;
+                let done_active = self.final_active(victim_key, t_kill).is_some();
+                let victim_done = self.find_inc(victim_key).is_none_or(|i| i.finished());
+                let hung_done = kind != FailureKind::HungWake
+                    || taker_key
+                        .and_then(|k| self.find_inc(k))
+                        .is_none_or(|i| i.finished());
+                if done_active && victim_done && hung_done {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    if !victim_done {
+                        notes.push("the victim's supervisor had not exited by the deadline; killed (container teardown)".into());
+                    }
+                    break;
+                }
+                tokio::time::sleep(TICK).await;
+            }
+            // Whatever is left of the victim (and of a hung waker) is torn down so the drill
+            // can go on; the invariants below were judged on what happened before.
+            for key in [
+                Some(victim_key),
+                if kind == FailureKind::HungWake {
+                    taker_key
+                } else {
+                    None
+                },
+            ]
+            .into_iter()
+            .flatten()
+            {
+                if let Some(side) =
+                    (0..2).find(|s| self.sides[*s].as_ref().is_some_and(|i| i.key() == key))
+                {
+                    if let Some(i) = self.sides[side].as_mut() {
+                        if i.exited.is_none() {
+                            i.teardown();
+                        }
+                    }
+                }
+            }
+        }
+        self.tick().await;
+
+        // ---- judge
+        notes.append(&mut self.round_notes);
+        let claims: Vec<ClaimViolation> = self
+            .claim_lines()
+            .iter()
+            .skip(claim_before)
+            .map(|l| ClaimViolation::parse(l))
+            .collect();
+        let final_inc = if kind == FailureKind::LockdCrash {
+            self.find_inc(victim_key)
+                .filter(|i| i.state_name() == "active")
+                .map(Inc::key)
+        } else {
+            self.final_active(victim_key, t_kill)
+        };
+        let final_active = final_inc.and_then(|k| self.find_inc(k)).and_then(|i| {
+            let at = invariants::first_after(
+                i.transitions(),
+                "active",
+                if i.key() == victim_key { 0 } else { t_kill },
+            )?
+            .at_unix_us;
+            Some(FinalActive {
+                engine_id: i.engine_id,
+                incarnation: i.n,
+                epoch: i.state.as_ref().and_then(|s| s.epoch),
+                active_at_us: at,
+            })
+        });
+        let mut grants = self.grants.clone();
+        // Fallback when lockd watch saw no grant: the new Active's Waking transition.
+        if kind.expects_failover() && !grants.iter().any(|g| !g.reclaimed) {
+            if let Some(fa) = &final_active {
+                notes.push("lockd watch reported no grant; fencing checked at the new Active's /state instead".into());
+                let alive = self.find_inc(victim_key).map_or_else(Vec::new, |i| {
+                    i.engine_pids
+                        .iter()
+                        .filter(|p| p.is_alive())
+                        .map(|p| p.pid)
+                        .collect()
+                });
+                grants.push(GrantObs {
+                    seen_at_unix_us: now_us(),
+                    epoch: fa.epoch,
+                    holder: None,
+                    reclaimed: false,
+                    previous_engine_id: Some(victim_key.0),
+                    previous_alive_pids: alive,
+                });
+            }
+        }
+        let mut transitions_after_kill = Vec::new();
+        let mut intervals = Vec::new();
+        for i in self.sides.iter().flatten().chain(self.retired.iter()) {
+            for t in i.transitions().iter().filter(|t| t.at_unix_us >= t_kill) {
+                transitions_after_kill.push((i.engine_id, t.clone()));
+            }
+            let ts = i.transitions();
+            for (idx, t) in ts.iter().enumerate().filter(|(_, t)| t.to == "active") {
+                let to_us = ts
+                    .get(idx + 1)
+                    .map(|n| n.at_unix_us)
+                    .or_else(|| i.exited.as_ref().map(|x| x.0));
+                if to_us.is_none_or(|e| e >= t_kill) {
+                    intervals.push(ActiveInterval {
+                        engine_id: i.engine_id,
+                        incarnation: i.n,
+                        from_us: t.at_unix_us,
+                        to_us,
+                    });
+                }
+            }
+        }
+        intervals.sort_by_key(|iv| (iv.from_us, iv.engine_id, iv.incarnation));
+        intervals.dedup();
+        let obs = RoundObs {
+            kind: Some(kind),
+            bound_us: bound.as_micros() as u64,
+            t_kill_us: t_kill,
+            epoch_before,
+            victim_engine_id: Some(victim_key.0),
+            grants,
+            claim_violations: claims,
+            final_is_victim: final_inc == Some(victim_key),
+            final_active: final_active.clone(),
+            transitions_after_kill,
+            lease_reclaimed,
+            active_intervals: intervals,
+        };
+        let violations = invariants::check_round(&obs);
+
+        // ---- measure
+        let victim = self.find_inc(victim_key);
+        let t_old_dead = victim.and_then(|v| {
+            // Its Dead transition; a SIGKILLed supervisor has none: then the moment its exit
+            // was seen (the container is gone: the runtime kills the rest), which the drill
+            // sees at once, unlike the engine's death, which it polls.
+            invariants::first_after(v.transitions(), "dead", t_kill)
+                .map(|t| t.at_unix_us)
+                .or(v.exited.as_ref().map(|x| x.0))
+                .or(v.engine_gone_us)
+        });
+        let (t_grant, t_active) = match (&final_active, final_inc.and_then(|k| self.find_inc(k))) {
+            (Some(fa), Some(i)) if kind.expects_failover() => (
+                invariants::waking_before(i.transitions(), fa.active_at_us),
+                Some(fa.active_at_us),
+            ),
+            _ => (None, None),
+        };
+        let phases = if kind.expects_failover() {
+            invariants::phases(t_kill, t_old_dead, t_grant, t_active)
+        } else {
+            invariants::Phases::default()
+        };
+        if let Some(v) = victim {
+            if kind == FailureKind::SupervisorKill {
+                if let (Some(g), Some(x)) = (v.engine_gone_us, v.exited.as_ref()) {
+                    if g > x.0 + 50_000 {
+                        notes.push(format!(
+                            "engine outlived its supervisor by {} ms",
+                            (g - x.0) / 1000
+                        ));
+                    }
+                }
+            }
+        }
+        let mut marks_after_kill_us = std::collections::BTreeMap::new();
+        let mut add_marks = |prefix: &str, inc: Option<&Inc>| {
+            for (k, v) in inc
+                .and_then(|i| i.state.as_ref())
+                .map(|s| &s.marks)
+                .into_iter()
+                .flatten()
+            {
+                if let Ok(v) = u64::try_from(*v) {
+                    if v >= t_kill {
+                        marks_after_kill_us.insert(format!("{prefix}.{k}"), v - t_kill);
+                    }
+                }
+            }
+        };
+        add_marks("old", victim);
+        if final_inc != Some(victim_key) {
+            add_marks("new", final_inc.and_then(|k| self.find_inc(k)));
+        }
+        // When the drill read each grant from `lockd watch` (lockd's side of the hand-over,
+        // to tell a slow grant from a slow client): `watch.granted.1`, `watch.granted.2`, ...
+        for (i, g) in self
+            .grants
+            .iter()
+            .filter(|g| g.seen_at_unix_us >= t_kill)
+            .enumerate()
+        {
+            let what = if g.reclaimed { "reclaimed" } else { "granted" };
+            marks_after_kill_us.insert(
+                format!("watch.{what}.{}", i + 1),
+                g.seen_at_unix_us - t_kill,
+            );
+        }
+        if kind == FailureKind::LockdCrash && lease_reclaimed == Some(true) {
+            // The supervisor's own reclaim time beats polling `lockd status`.
+            if let Some(t) = marks_after_kill_us.get("old.lock_reclaimed") {
+                recovery_us = Some(*t);
+            }
+        }
+        let epoch_after = final_active
+            .as_ref()
+            .and_then(|f| f.epoch)
+            .or(self.last_epoch);
+        if let Some(e) = epoch_after {
+            self.last_epoch = Some(self.last_epoch.map_or(e, |l| l.max(e)));
+        }
+        Ok(RoundRecord {
+            round: r as u32 + 1,
+            kind,
+            victim_engine_id: Some(victim_key.0),
+            victim_incarnation: Some(victim_key.1),
+            new_active_engine_id: final_active.as_ref().map(|f| f.engine_id),
+            new_active_incarnation: final_active.as_ref().map(|f| f.incarnation),
+            t_kill_unix_us: t_kill,
+            phases,
+            recovery_us,
+            epoch_before,
+            epoch_after,
+            violations,
+            marks_after_kill_us,
+            notes,
+        })
+    }
+
+    /// The first incarnation other than the victim that entered Active after the kill.
+    fn final_active(&self, victim: (u64, u32), t_kill: u64) -> Option<(u64, u32)> {
+        self.sides
+            .iter()
+            .flatten()
+            .filter(|i| i.key() != victim && i.state_name() == "active")
+            .filter_map(|i| {
+                invariants::first_after(i.transitions(), "active", t_kill)
+                    .map(|t| (t.at_unix_us, i.key()))
+            })
+            .min()
+            .map(|(_, k)| k)
+    }
+
+    // ---------------------------------------------------------------- the end
+
+    async fn cleanup(&mut self) {
+        self.phase = Phase::Stopping;
+        if let Some(pb) = &self.progress {
+            pb.finish_and_clear();
+        }
+        for side in 0..2 {
+            if let Some(mut i) = self.sides[side].take() {
+                i.teardown();
+                self.retired.push(i);
+            }
+        }
+        for i in &mut self.retired {
+            i.teardown();
+        }
+        for g in &self.sup_pgids {
+            procs::kill_group(*g);
+        }
+        for p in &self.all_pids {
+            p.kill();
+        }
+        if let Some(mut w) = self.watch.take() {
+            let _ = w.start_kill();
+            let _ = tokio::time::timeout(Duration::from_secs(2), w.wait()).await;
+        }
+        if let Some(mut l) = self.lockd.take() {
+            let _ = l.start_kill();
+            let _ = tokio::time::timeout(Duration::from_secs(2), l.wait()).await;
+        }
+        // Anything still descending from us (orphans re-parented to this subreaper).
+        for _ in 0..50 {
+            let left: Vec<u32> = procs::descendants(std::process::id())
+                .into_iter()
+                .filter(|p| TrackedPid::pin(*p).is_some_and(|t| t.is_alive()))
+                .collect();
+            if left.is_empty() {
+                break;
+            }
+            for p in left {
+                procs::signal_pid(p, Signal::SIGKILL);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for p in &self.all_pids {
+            p.reap_if_zombie();
+        }
+        // Nothing left to kill: Drop must not signal recycled pids or groups.
+        self.sup_pgids.clear();
+        self.all_pids.clear();
+        if self.args.keep_dir {
+            eprintln!("supervisor drill: kept {}", self.dir.display());
+        } else if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            eprintln!(
+                "supervisor drill: could not remove {}: {e}",
+                self.dir.display()
+            );
+        }
+    }
+
+    fn finish(&mut self, outcome: std::result::Result<Result<()>, i32>) -> i32 {
+        let interrupted = match outcome {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => {
+                eprintln!("supervisor drill: {e:#}");
+                if self.aborted.is_none() {
+                    self.aborted = Some(format!("{e:#}"));
+                }
+                None
+            }
+            Err(code) => {
+                eprintln!(
+                    "supervisor drill: interrupted after {} rounds; cleaned up",
+                    self.records.len()
+                );
+                self.aborted = Some("interrupted".into());
+                Some(code)
+            }
+        };
+        let summary = report::summarize(&self.records);
+        let total: usize = self.records.iter().map(|r| r.violations.len()).sum();
+        let code = if total > 0 {
+            EXIT_VIOLATION
+        } else if let Some(c) = interrupted {
+            c
+        } else if self.aborted.is_some() {
+            EXIT_DRILL_ERROR
+        } else {
+            EXIT_OK
+        };
+        print!("{}", report::summary_table(&summary));
+        for r in self.records.iter().filter(|r| !r.violations.is_empty()) {
+            for v in &r.violations {
+                println!("violation in round {} ({}): {v}", r.round, r.kind);
+            }
+        }
+        let engine = self
+            .args
+            .engine_cmd
+            .clone()
+            .unwrap_or_else(|| "fake-engine".into());
+        let rep = Report {
+            report_version: 1,
+            iterations: self.args.iterations,
+            completed_rounds: self.records.len() as u32,
+            kinds: self.kinds.clone(),
+            order: self.args.order,
+            seed: self.seed,
+            engine,
+            adapter: self.args.adapter.clone(),
+            failover_bound_ms: self.args.failover_bound.as_millis() as u64,
+            planted_bug: self.planted,
+            started_unix_us: self.started_us,
+            finished_unix_us: now_us(),
+            summary: summary.clone(),
+            total_violations: total,
+            aborted: self.aborted.clone(),
+            exit_code: code,
+            rounds: self.records.clone(),
+        };
+        if let Some(p) = &self.args.report {
+            match serde_json::to_string_pretty(&rep) {
+                Ok(s) => {
+                    if let Err(e) = std::fs::write(p, s + "\n") {
+                        eprintln!("supervisor drill: writing {}: {e}", p.display());
+                    }
+                }
+                Err(e) => eprintln!("supervisor drill: report: {e}"),
+            }
+        }
+        if let Some(p) = &self.args.svg {
+            let title = format!("supervisor drill, {} rounds", self.records.len());
+            match super::svg::render(&self.records, &summary, &title) {
+                Ok(s) => {
+                    if let Err(e) = std::fs::write(p, s) {
+                        eprintln!("supervisor drill: writing {}: {e}", p.display());
+                    }
+                }
+                Err(e) => eprintln!("supervisor drill: {e}"),
+            }
+        }
+        if self.args.order == Order::Random {
+            println!(
+                "seed {} (rerun with --order random --seed {})",
+                self.seed, self.seed
+            );
+        }
+        println!("exit code {code}");
+        code
+    }
+}
+
+impl Drop for Drill {
+    /// Last line of defence (a panic): kill every process group and tracked pid.
+    fn drop(&mut self) {
+        for g in &self.sup_pgids {
+            procs::kill_group(*g);
+        }
+        for p in &self.all_pids {
+            p.kill();
+        }
+    }
+}
+
+async fn poll_state(addr: Option<SocketAddr>) -> Option<StateDoc> {
+    observe::get_state(addr?, HTTP_TIMEOUT).await.ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_lines_split_like_a_shell() {
+        assert_eq!(
+            split_command(r#"vllm serve "my model" --port {port} --x='a b' c\ d"#).unwrap(),
+            vec!["vllm", "serve", "my model", "--port", "{port}", "--x=a b", "c d"]
+        );
+        assert_eq!(split_command("  ").unwrap(), Vec::<String>::new());
+        assert_eq!(split_command("''").unwrap(), vec![String::new()]);
+        assert!(split_command("'open").is_err());
+        assert!(split_command("\"open").is_err());
+        assert!(split_command("end\\").is_err());
+    }
+}

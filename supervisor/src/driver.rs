@@ -1,0 +1,677 @@
+//! The driver: owns the lock connection, the engine process, the probe server, timers and
+//! signals; turns what happens into [`Event`]s for the pure machine and carries out its
+//! [`Action`]s. Ends with fencing: kill and reap the whole tree, THEN close the lock connection.
+
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gms_client::checks::{CheckError, GpuChecks, WakeReport};
+
+use lockd::client::{ClientOptions, LockClient, LockEvent};
+use probes::{Phase, ProbeState, Status};
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::adapter::{AdapterError, EngineClient};
+use crate::config::RunArgs;
+use crate::machine::{Action, DeadReason, Event, Machine, MachineConfig, State};
+use crate::process::{self, EngineSpec};
+
+/// Errors that stop `supervisor run` before the state machine is running.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// Bad engine URL.
+    #[error(transparent)]
+    Adapter(#[from] AdapterError),
+    /// Subreaper / spawn / pidfd failure.
+    #[error(transparent)]
+    Process(#[from] process::ProcessError),
+    /// The probe address could not be bound.
+    #[error("cannot listen on probes address {addr}: {source}")]
+    Probes {
+        /// `--probes`.
+        addr: String,
+        /// OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Signal handler installation failed.
+    #[error("cannot install signal handlers: {0}")]
+    Signals(#[source] std::io::Error),
+    /// `inheritable_fd()` failed.
+    #[error("cannot duplicate the lock connection for the engine: {0}")]
+    LockFd(#[source] std::io::Error),
+}
+
+/// How `supervisor run` ended.
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    /// Why the machine went Dead.
+    pub reason: DeadReason,
+    /// Process exit status (see README.md).
+    pub exit_code: i32,
+}
+
+/// Which adapter call is in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Sleep,
+    Wake,
+}
+
+/// Build the engine's environment: who it is and its GMS weight-loading role (Decision 5, as
+/// `gms_client::checks::weight_loading_env` defines it: ENGINE_ID, ENGINE_ROLE, GMS_LOCK_TYPE,
+/// DYN_GMS_FAILOVER_PRIMARY_ENGINE_ID), plus the inherited lock fd (informational: the engine
+/// must simply keep it open, which it does by not touching it).
+fn engine_env(args: &RunArgs, lock_fd: i32) -> Vec<(OsString, OsString)> {
+    let mut env: Vec<(OsString, OsString)> = gms_client::checks::weight_loading_env(args.engine_id)
+        .into_iter()
+        .map(|(k, v)| (k.into(), v.into()))
+        .collect();
+    env.push(("LOCKD_FD".into(), lock_fd.to_string().into()));
+    env.push(("LOCKD_RESOURCE".into(), args.resource.clone().into()));
+    env
+}
+
+fn bump_restart_counter(args: &RunArgs, state: &ProbeState) {
+    let Some(path) = &args.restart_counter else {
+        return;
+    };
+    let prev: u64 = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    state
+        .metrics()
+        .engine_restarts
+        .store(prev, Ordering::Relaxed);
+    let tmp = path.with_extension("tmp");
+    let res =
+        std::fs::write(&tmp, format!("{}\n", prev + 1)).and_then(|_| std::fs::rename(&tmp, path));
+    if let Err(e) = res {
+        tracing::warn!(path = %path.display(), error = %e, "cannot update restart counter");
+    }
+}
+
+/// Connect to lockd, retrying until `args.lock_wait` has passed (lockd may start after us).
+async fn connect_lock(args: &RunArgs) -> Result<LockClient, String> {
+    let deadline = Instant::now() + args.lock_wait;
+    // `..default()` keeps this compiling if lockd adds options.
+    #[allow(clippy::needless_update)]
+    let opts = ClientOptions {
+        connect_timeout: args.lock_connect_timeout,
+        reconnect_timeout: args.lock_reconnect_timeout,
+        label: Some(args.holder_name()),
+        ..ClientOptions::default()
+    };
+    let mut attempt = 0u32;
+    loop {
+        attempt += 1;
+        match LockClient::connect(&args.lock, opts.clone()).await {
+            Ok(c) => return Ok(c),
+            Err(e) => {
+                if Instant::now() >= deadline {
+                    return Err(format!("cannot connect to lockd at {}: {e}", args.lock));
+                }
+                if attempt == 1 || attempt % 10 == 0 {
+                    tracing::warn!(lock = %args.lock, error = %e, attempt, "lockd not reachable yet; retrying");
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+/// Background health polling: writes the result into the probe state (probes never call the
+/// engine) and publishes it on a watch channel for the driver.
+fn spawn_health(
+    client: EngineClient,
+    state: ProbeState,
+    args: &RunArgs,
+) -> (JoinHandle<()>, watch::Receiver<bool>) {
+    let (tx, rx) = watch::channel(false);
+    let (startup_poll, interval, timeout) =
+        (args.startup_poll, args.health_interval, args.health_timeout);
+    let h = tokio::spawn(async move {
+        let mut ever = false;
+        loop {
+            let ok = client.healthy(timeout).await;
+            let was = {
+                let mut s = state.write();
+                std::mem::replace(&mut s.engine_healthy, ok)
+            };
+            if !ok && ever {
+                state
+                    .metrics()
+                    .health_check_failures
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            if was != ok && ever {
+                tracing::info!(healthy = ok, "engine health changed");
+            }
+            ever |= ok;
+            tx.send_if_modified(|v| std::mem::replace(v, ok) != ok);
+            tokio::time::sleep(if ever { interval } else { startup_poll }).await;
+        }
+    });
+    (h, rx)
+}
+
+/// Map a lock client event to a machine event (None: informational only).
+fn lock_event(ev: LockEvent, state: &ProbeState) -> Option<Event> {
+    match ev {
+        LockEvent::Queued { resource, position } => {
+            tracing::info!(%resource, position, "queued for the lock");
+            None
+        }
+        LockEvent::Busy { resource, holder } => {
+            tracing::info!(%resource, holder = holder.as_deref().unwrap_or("?"), "lock busy");
+            Some(Event::LockBusy)
+        }
+        LockEvent::Granted {
+            resource,
+            epoch,
+            reclaimed,
+        } => {
+            tracing::info!(%resource, epoch, reclaimed, "lock granted");
+            state.mark(if reclaimed {
+                "lock_reclaimed"
+            } else {
+                "lock_granted"
+            });
+            Some(Event::LockGranted { epoch, reclaimed })
+        }
+        LockEvent::Revoked {
+            resource,
+            epoch,
+            reason,
+        } => {
+            tracing::warn!(%resource, epoch, %reason, "lock revoked");
+            Some(Event::Revoked(reason))
+        }
+        LockEvent::Disconnected { cause } => {
+            tracing::warn!(%cause, "lock connection broken; reconnecting");
+            state.write().lock_connected = false;
+            state
+                .metrics()
+                .lock_disconnects
+                .fetch_add(1, Ordering::Relaxed);
+            state.mark("lock_disconnected");
+            Some(Event::LockDisconnected)
+        }
+        LockEvent::Reconnected => {
+            tracing::info!("lock connection re-established");
+            state.write().lock_connected = true;
+            state.mark("lock_reconnected");
+            Some(Event::LockReconnected)
+        }
+        LockEvent::Lost {
+            resource,
+            epoch,
+            cause,
+        } => {
+            tracing::error!(%resource, epoch, %cause, "lock lost");
+            Some(Event::LockLost(cause))
+        }
+        LockEvent::Error { code, message } => {
+            tracing::error!(%code, %message, "lockd error");
+            Some(Event::LockError(format!("lockd error {code}: {message}")))
+        }
+    }
+}
+
+/// Copy the GPU checks' counters into the `/metrics` registry.
+fn sync_check_metrics(checks: &GpuChecks, state: &ProbeState) {
+    let c = checks.counters();
+    let m = state.metrics();
+    m.gpu_wake_checks.store(c.wake_checks, Ordering::Relaxed);
+    m.gpu_wake_check_failures
+        .store(c.wake_failures, Ordering::Relaxed);
+    m.gpu_reap_checks.store(c.reap_checks, Ordering::Relaxed);
+    m.gpu_reap_timeouts
+        .store(c.reap_timeouts, Ordering::Relaxed);
+    m.gpu_engine_processes_seen
+        .store(c.engine_processes_seen, Ordering::Relaxed);
+}
+
+/// The GPU/GMS checks for `--gms` / `--gpu` (None when neither is given, or when only `--gpu`
+/// is given and no GPU driver is present: the checks module has logged that once, and the
+/// supervisor then behaves exactly as without the flags).
+async fn build_checks(args: &RunArgs) -> Option<Arc<GpuChecks>> {
+    if !args.gpu_checks_requested() {
+        return None;
+    }
+    let cfg = args.checks_config();
+    // NVML init loads a library and may take a while on a real GPU: keep it off the reactor.
+    let checks = tokio::task::spawn_blocking(move || GpuChecks::new(cfg))
+        .await
+        .ok()?;
+    if args.gms.is_none() && !checks.device_checks_enabled() {
+        return None;
+    }
+    Some(Arc::new(checks))
+}
+
+/// `supervisor run`. Returns once the engine is dead and fenced and the lock connection closed.
+pub async fn run(args: RunArgs) -> Result<RunOutcome, RunError> {
+    let checks = build_checks(&args).await;
+    run_with_checks(args, checks).await
+}
+
+/// [`run`] with given GPU/GMS checks (None: no checks), so that tests can pass checks on a
+/// simulated device (`GpuChecks::with_device`). The flags `--gms`/`--gpu`/... are not read
+/// here: `checks` replaces them.
+pub async fn run_with_checks(
+    args: RunArgs,
+    checks: Option<Arc<GpuChecks>>,
+) -> Result<RunOutcome, RunError> {
+    let role = args.role;
+    let adapter = args.adapter.build(args.sleep_level);
+    let engine_client = EngineClient::new(&args.engine_url, adapter)?;
+    process::become_subreaper()?;
+
+    let probe_state = ProbeState::new(Status::new(args.engine_id, role.as_str()));
+    bump_restart_counter(&args, &probe_state);
+    let listener = tokio::net::TcpListener::bind(&args.probes)
+        .await
+        .map_err(|source| RunError::Probes {
+            addr: args.probes.clone(),
+            source,
+        })?;
+    let (probe_stop_tx, probe_stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let probe_task = tokio::spawn(probes::serve(listener, probe_state.clone(), async move {
+        let _ = probe_stop_rx.await;
+    }));
+
+    let mut sigterm = signal(SignalKind::terminate()).map_err(RunError::Signals)?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(RunError::Signals)?;
+    let mut sigchld = signal(SignalKind::child()).map_err(RunError::Signals)?;
+
+    tracing::info!(
+        engine_id = args.engine_id,
+        role = role.as_str(),
+        lock = %args.lock,
+        resource = %args.resource,
+        probes = %args.probes,
+        "supervisor starting"
+    );
+
+    // 1. The lock connection first, so that the engine can inherit it.
+    let mut lock = tokio::select! {
+        r = connect_lock(&args) => match r {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(error = %e, "giving up: lockd unreachable");
+                let reason = DeadReason::LockUnavailable(e);
+                return Ok(finish_without_engine(&probe_state, reason, probe_stop_tx, probe_task).await);
+            }
+        },
+        _ = sigterm.recv() => {
+            return Ok(finish_without_engine(&probe_state, DeadReason::Stopped, probe_stop_tx, probe_task).await);
+        }
+        _ = sigint.recv() => {
+            return Ok(finish_without_engine(&probe_state, DeadReason::Stopped, probe_stop_tx, probe_task).await);
+        }
+    };
+    probe_state.write().lock_connected = true;
+    probe_state.mark("lock_connected");
+
+    // 2. Spawn the engine with an inheritable dup of the lock connection (on this, the main,
+    //    thread: PDEATHSIG is tied to the forking thread).
+    let lock_fd = lock.inheritable_fd().map_err(RunError::LockFd)?;
+    let spec = EngineSpec {
+        argv: args.cmd.clone(),
+        env: engine_env(&args, lock_fd.as_raw_fd()),
+        pid_namespace: args.pid_namespace,
+    };
+    let mut engine = match process::spawn_engine(&spec, &[lock_fd.as_raw_fd()]) {
+        Ok(e) => e,
+        Err(e) => {
+            lock.close().await;
+            return Err(e.into());
+        }
+    };
+    drop(lock_fd);
+    probe_state.write().engine_pid = Some(engine.pid as u32);
+    probe_state.mark("engine_spawned");
+    tracing::info!(pid = engine.pid, cmd = ?args.cmd, "engine spawned");
+
+    let (health_task, mut health_rx) =
+        spawn_health(engine_client.clone(), probe_state.clone(), &args);
+    let mcfg = MachineConfig {
+        role,
+        startup_timeout: args.startup_timeout,
+        waking_timeout: args.waking_timeout,
+        wake_checks: checks.is_some(),
+    };
+    let mut machine = Machine::new(mcfg, Instant::now());
+    let mut op: Option<(Op, JoinHandle<Result<(), AdapterError>>)> = None;
+    let mut granted_at: Option<Instant> = None;
+    let mut waking_at: Option<Instant> = None;
+    let mut engine_gone = false;
+    let holder = args.holder_name();
+    // Holds the current lock connection after a reconnect (see process::Keeper).
+    let mut keeper: Option<process::Keeper> = None;
+    // Events produced while carrying out actions (e.g. a failed acquire), handled first.
+    let mut pending: VecDeque<Event> = VecDeque::new();
+    // `GpuChecks::at_standby` running in the background (the before-wake check awaits it).
+    let mut standby_check: Option<JoinHandle<()>> = None;
+    // `GpuChecks::before_wake` in flight (its result becomes WakeCheckPassed/Failed).
+    let mut wake_check: Option<JoinHandle<Result<WakeReport, CheckError>>> = None;
+
+    let reason = 'main: loop {
+        let deadline = machine.state.deadline();
+        let event = if let Some(ev) = pending.pop_front() {
+            Some(ev)
+        } else {
+            tokio::select! {
+            biased;
+            _ = engine.exited(), if !engine_gone => {
+                engine_gone = true;
+                probe_state.mark("engine_exit_detected");
+                let st = engine.peek_status();
+                tracing::warn!(pid = engine.pid, status = %st, "engine exited");
+                Some(Event::EngineExited(st))
+            }
+            ev = lock.next_event() => match ev {
+                Some(ev) => lock_event(ev, &probe_state),
+                None => Some(Event::LockClosed("lock client closed".into())),
+            },
+            _ = sigterm.recv() => { tracing::info!("SIGTERM received"); Some(Event::Terminate) }
+            _ = sigint.recv() => { tracing::info!("SIGINT received"); Some(Event::Terminate) }
+            _ = sigchld.recv() => {
+                for pid in process::reap_orphans(engine.pid) {
+                    tracing::info!(pid, "reaped orphaned engine descendant");
+                }
+                None
+            }
+            r = async { (&mut op.as_mut().expect("guarded").1).await }, if op.is_some() => {
+                let (kind, _) = op.take().expect("guarded");
+                let r = r.unwrap_or_else(|e| Err(AdapterError::Http {
+                    method: hyper::Method::POST,
+                    path: "-".into(),
+                    message: format!("adapter task failed: {e}"),
+                }));
+                match (kind, r) {
+                    (Op::Sleep, Ok(())) => Some(Event::Slept),
+                    (Op::Wake, Ok(())) => Some(Event::Woke),
+                    (Op::Sleep, Err(e)) => { tracing::error!(error = %e, "sleep call failed"); Some(Event::SleepFailed(e.to_string())) }
+                    (Op::Wake, Err(e)) => { tracing::error!(error = %e, "wake call failed"); Some(Event::WakeFailed(e.to_string())) }
+                }
+            }
+            r = async { wake_check.as_mut().expect("guarded").await }, if wake_check.is_some() => {
+                wake_check = None;
+                if let Some(c) = &checks {
+                    sync_check_metrics(c, &probe_state);
+                }
+                // The check has logged what it saw (and, on failure, its cause) already.
+                match r {
+                    Ok(Ok(_)) => {
+                        probe_state.mark("gpu_check_passed");
+                        Some(Event::WakeCheckPassed)
+                    }
+                    Ok(Err(e)) => {
+                        probe_state.mark("gpu_check_failed");
+                        Some(Event::WakeCheckFailed { cause: e.to_string() })
+                    }
+                    Err(e) => {
+                        probe_state.mark("gpu_check_failed");
+                        Some(Event::WakeCheckFailed { cause: format!("check task failed: {e}") })
+                    }
+                }
+            }
+            _ = async {
+                match deadline {
+                    Some((_, at)) => tokio::time::sleep_until(at.into()).await,
+                    None => std::future::pending().await,
+                }
+            } => deadline.map(|(k, _)| Event::Timeout(k)),
+            changed = health_rx.changed() => match changed {
+                Ok(()) if *health_rx.borrow_and_update() => Some(Event::EngineHealthy),
+                _ => None,
+            },
+            }
+        };
+        let Some(event) = event else { continue };
+        if event == Event::LockReconnected {
+            // The engine holds a duplicate of the old connection only: hand the new one to a
+            // keeper that lives until the engine has exited.
+            match lock
+                .inheritable_fd()
+                .and_then(|fd| process::spawn_keeper(&fd, &engine))
+            {
+                Ok(k) => {
+                    tracing::info!(pid = k.pid, "lock keeper holds the new lock connection");
+                    probe_state.mark("lock_keeper_spawned");
+                    if let Some(old) = keeper.replace(k) {
+                        // SAFETY: kill(2) on our own child; reaped on SIGCHLD.
+                        unsafe { libc::kill(old.pid, libc::SIGKILL) };
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot start a lock keeper; a supervisor crash now releases the lock before the engine is dead")
+                }
+            }
+        }
+        let before = machine.state.phase();
+        let now = Instant::now();
+        let actions = machine.feed(&event, now);
+        let after = machine.state.phase();
+        if before != after {
+            let waking_deadline = match &machine.state {
+                State::Waking { deadline, .. } => Some(*deadline),
+                _ => None,
+            };
+            if after == Phase::Active {
+                // The wake was just confirmed by the engine (or, for a primary that never
+                // slept, its health check just passed): it is healthy now.
+                probe_state.write().engine_healthy = true;
+            }
+            let at = probe_state.enter(after, waking_deadline);
+            let m = probe_state.metrics();
+            match after {
+                Phase::Waking => waking_at = Some(now),
+                Phase::Active => {
+                    if let Some(w) = waking_at {
+                        m.waking_seconds.observe(now - w);
+                    }
+                    if let Some(g) = granted_at {
+                        m.grant_to_active_seconds.observe(now - g);
+                    }
+                }
+                _ => {}
+            }
+            tracing::info!(
+                engine_id = args.engine_id,
+                role = role.as_str(),
+                from = before.as_str(),
+                to = after.as_str(),
+                event = ?event,
+                at_unix_us = at,
+                "transition"
+            );
+        }
+        for action in actions {
+            match action {
+                Action::TryLock | Action::WaitLock => {
+                    let wait = action == Action::WaitLock;
+                    if let Err(e) = lock.acquire(&args.resource, &holder, wait).await {
+                        tracing::error!(error = %e, wait, "acquire failed");
+                        pending.push_back(Event::LockClosed(format!("acquire failed: {e}")));
+                    }
+                }
+                Action::Sleep => {
+                    let c = engine_client.clone();
+                    let t = args.sleep_timeout;
+                    tracing::info!("putting engine to sleep");
+                    op = Some((Op::Sleep, tokio::spawn(async move { c.sleep(t).await })));
+                }
+                Action::Wake => {
+                    let c = engine_client.clone();
+                    // The machine enforces the waking budget; this bound only frees the task.
+                    let t = args.waking_timeout + Duration::from_secs(1);
+                    tracing::info!("waking engine");
+                    op = Some((Op::Wake, tokio::spawn(async move { c.wake(t).await })));
+                }
+                Action::RememberLayout => {
+                    if let Some(c) = checks.clone() {
+                        standby_check = Some(tokio::spawn(async move {
+                            // Informational: before_wake checks "committed" without it.
+                            if let Err(e) = c.at_standby().await {
+                                tracing::warn!(cause = %e, "gms check at standby: no committed layout remembered; before wake only \"committed\" is checked");
+                            }
+                        }));
+                    }
+                }
+                Action::CheckBeforeWake => {
+                    if let Some(c) = checks.clone() {
+                        let standby = standby_check.take();
+                        probe_state.mark("gpu_check_started");
+                        tracing::info!("lock granted: checking GMS/GPU before waking the engine");
+                        wake_check = Some(tokio::spawn(async move {
+                            // A grant right after Standby: let the layout snapshot finish
+                            // (bounded by the handshake timeout) so that it is compared.
+                            if let Some(h) = standby {
+                                let _ = h.await;
+                            }
+                            c.before_wake().await
+                        }));
+                    } else {
+                        // Unreachable by construction (the machine asks only with checks).
+                        pending.push_back(Event::WakeCheckPassed);
+                    }
+                }
+                Action::SetEpoch(e) => {
+                    if granted_at.is_none() {
+                        granted_at = Some(now);
+                    }
+                    probe_state.write().epoch = Some(e);
+                    probe_state.metrics().lock_epoch.store(e, Ordering::Relaxed);
+                }
+                Action::Fence(r) => break 'main r,
+            }
+        }
+    };
+
+    // 3. Fence: stop talking to the engine, kill and reap the whole tree, THEN close the lock.
+    probe_state.write().dead_reason = Some(reason.to_string());
+    if let Some((_, h)) = op.take() {
+        h.abort();
+    }
+    if let Some(h) = standby_check.take() {
+        h.abort();
+    }
+    if let Some(h) = wake_check.take() {
+        h.abort();
+    }
+    health_task.abort();
+    probe_state.write().engine_healthy = false;
+    tracing::warn!(reason = %reason, urgent = reason.urgent(), "fencing engine");
+    probe_state.mark("fence_started");
+    // PLANTED BUG hook for the drill (test-only feature, off in release builds): see
+    // crate::drill::planted_bug_early_release. Compiles to nothing without the feature.
+    #[cfg(feature = "planted-bug-early-release")]
+    crate::drill::planted_bug_early_release(&mut lock, &args.resource).await;
+    let report = process::fence(&mut engine, reason.urgent(), args.stop_grace).await;
+    probe_state.mark("fenced");
+    probe_state
+        .metrics()
+        .fencing_seconds
+        .observe(report.duration);
+    tracing::info!(
+        duration_ms = report.duration.as_secs_f64() * 1000.0,
+        signalled = report.signalled,
+        reaped = report.reaped,
+        escalated = report.escalated,
+        alive_at_start = report.alive_at_start,
+        engine_status = report.engine_status.as_deref().unwrap_or("?"),
+        "engine tree fenced: no engine process left"
+    );
+    // 4. GPU memory: the tree is dead and reaped; if we held the lock, wait (bounded) until the
+    //    device shows the engine's memory released BEFORE letting the lock go (Decision 7).
+    if let Some(c) = &checks {
+        let held = granted_at.is_some()
+            && !matches!(reason, DeadReason::LockLost(_) | DeadReason::Revoked(_));
+        if held {
+            after_reap_check(c, &report.pids, &args, &probe_state).await;
+        }
+    }
+    lock.close().await;
+    probe_state.write().lock_connected = false;
+    probe_state.mark("lock_closed");
+    tracing::info!("lock connection closed");
+    let outcome = RunOutcome {
+        exit_code: reason.exit_code(),
+        reason,
+    };
+    linger_and_stop(&args, probe_stop_tx, probe_task).await;
+    tracing::info!(exit_code = outcome.exit_code, reason = %outcome.reason, "supervisor exiting");
+    Ok(outcome)
+}
+
+/// `GpuChecks::after_reap` with the pids fencing saw. A timeout is logged at error and counted,
+/// and the lock is released anyway (README.md, "GPU/GMS checks"): the whole tree is provably
+/// dead, so what still pins the memory is out of the supervisor's reach, and holding the lock
+/// would block failover for good; the next engine's `--min-free-memory` wait gates its wake.
+async fn after_reap_check(checks: &GpuChecks, pids: &[i32], args: &RunArgs, state: &ProbeState) {
+    let pids: Vec<u32> = pids.iter().filter_map(|p| u32::try_from(*p).ok()).collect();
+    // after_reap bounds itself; the outer bound only guards against a hung device query.
+    let bound = args.memory_release_timeout + Duration::from_secs(5);
+    match tokio::time::timeout(bound, checks.after_reap(&pids)).await {
+        Ok(Ok(rep)) => {
+            tracing::info!(
+                matched_by = ?rep.matched_by,
+                waited_ms = rep.waited.as_millis() as u64,
+                engine_processes_seen = rep.engine_processes_seen,
+                free_before = ?rep.free_before,
+                free_after = ?rep.free_after,
+                "GPU memory check after reap passed"
+            );
+        }
+        Ok(Err(e)) => {
+            tracing::error!(cause = %e, "GPU memory of the dead engine NOT released in time; releasing the lock anyway (the next engine may OOM)");
+        }
+        Err(_) => {
+            tracing::error!(
+                bound_ms = bound.as_millis() as u64,
+                "GPU memory check after reap hung; releasing the lock anyway"
+            );
+        }
+    }
+    state.mark("memory_release_checked");
+    sync_check_metrics(checks, state);
+}
+
+async fn linger_and_stop(
+    args: &RunArgs,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: JoinHandle<Result<(), probes::ProbeError>>,
+) {
+    if !args.linger.is_zero() {
+        tokio::time::sleep(args.linger).await;
+    }
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(1), task).await;
+}
+
+async fn finish_without_engine(
+    state: &ProbeState,
+    reason: DeadReason,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: JoinHandle<Result<(), probes::ProbeError>>,
+) -> RunOutcome {
+    state.write().dead_reason = Some(reason.to_string());
+    state.enter(Phase::Dead, None);
+    tracing::info!(from = "init", to = "dead", reason = %reason, "transition");
+    let _ = stop.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(1), task).await;
+    RunOutcome {
+        exit_code: reason.exit_code(),
+        reason,
+    }
+}

@@ -1,0 +1,86 @@
+//! `--pid-namespace`: the engine is PID 1 of its own PID namespace, so the kernel kills every
+//! process it started (detached or not) the moment it dies. Needs CAP_SYS_ADMIN (CI runs as
+//! root); without it the test checks that the supervisor refuses cleanly instead.
+
+use std::time::Duration;
+
+use failover_tests::{alive, descendants, Cluster, SupOpts};
+
+const T: Duration = Duration::from_secs(20);
+
+fn can_unshare_pid() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn engine_tree(c: &Cluster, s: &failover_tests::Sup) -> Vec<i32> {
+    let mut tree = Vec::new();
+    failover_tests::wait_until(T, Duration::from_millis(20), || {
+        tree = descendants(s.proc.pid());
+        tree.len() >= 3
+    });
+    assert!(
+        tree.len() >= 3,
+        "engine + 2 workers expected, got {tree:?}{}",
+        c.dump_logs()
+    );
+    tree
+}
+
+#[test]
+fn engine_death_takes_detached_workers_with_it() {
+    let mut c = Cluster::new("2s");
+    let opts = SupOpts::new(0, "primary")
+        .sup(&["--pid-namespace", "--linger", "3s"])
+        .engine(&["--workers", "2", "--detach-workers"]);
+    let mut primary = c.start(&opts);
+    if !can_unshare_pid() {
+        let st = primary.proc.wait_exit(T).expect("must refuse");
+        assert_eq!(st.code(), Some(1));
+        assert!(primary.log_text().contains("CAP_SYS_ADMIN"));
+        return;
+    }
+    assert!(primary.wait_phase("active", T), "{}", c.dump_logs());
+    let shadow = c.start(&SupOpts::new(1, "shadow"));
+    assert!(shadow.wait_phase("standby", T), "{}", c.dump_logs());
+    assert_eq!(primary.completion().unwrap().0, 200);
+    let tree = engine_tree(&c, &primary);
+    let engine = primary.state().unwrap()["engine_pid"].as_i64().unwrap() as i32;
+    // Inside its namespace the engine is PID 1.
+    assert_eq!(primary.completion().unwrap().1["pid"], 1);
+
+    // SAFETY: kill(2) on the engine's pid.
+    unsafe { libc::kill(engine, libc::SIGKILL) };
+    assert!(shadow.wait_phase("active", T), "{}", c.dump_logs());
+    assert!(tree.iter().all(|p| !alive(*p)), "left alive: {tree:?}");
+    assert!(c.violations().is_empty(), "split brain: {}", c.violations());
+    // The kernel had already killed the detached workers when the supervisor saw the exit.
+    let log = primary.log_text();
+    assert!(log.contains("alive_at_start=0"), "{log}");
+    assert_eq!(primary.proc.wait_exit(T).and_then(|s| s.code()), Some(10));
+}
+
+#[test]
+fn supervisor_sigkill_takes_detached_workers_with_it() {
+    if !can_unshare_pid() {
+        return;
+    }
+    let mut c = Cluster::new("2s");
+    let primary = c.start(
+        &SupOpts::new(0, "primary")
+            .sup(&["--pid-namespace"])
+            .engine(&["--workers", "2", "--detach-workers"]),
+    );
+    assert!(primary.wait_phase("active", T), "{}", c.dump_logs());
+    let shadow = c.start(&SupOpts::new(1, "shadow"));
+    assert!(shadow.wait_phase("standby", T), "{}", c.dump_logs());
+    assert_eq!(primary.completion().unwrap().0, 200);
+    let tree = engine_tree(&c, &primary);
+
+    // Without a PID namespace, detached workers would survive this (and keep the lock: safe
+    // but stuck). With it, PDEATHSIG kills the engine and the kernel kills the rest.
+    primary.proc.signal(libc::SIGKILL);
+    assert!(shadow.wait_phase("active", T), "{}", c.dump_logs());
+    assert!(tree.iter().all(|p| !alive(*p)), "left alive: {tree:?}");
+    assert!(c.violations().is_empty(), "split brain: {}", c.violations());
+}
