@@ -515,7 +515,13 @@ impl Core {
     fn new_token(&mut self) -> String {
         let mut b = [0u8; 16];
         self.rng.fill_bytes(&mut b);
-        b.iter().map(|x| format!("{x:02x}")).collect()
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut t = String::with_capacity(32);
+        for x in b {
+            t.push(char::from(HEX[usize::from(x >> 4)]));
+            t.push(char::from(HEX[usize::from(x & 15)]));
+        }
+        t
     }
 
     fn request(&mut self, now: Now, s: SessionId, req: Request) {

@@ -5,10 +5,12 @@
 //! file that cannot be read or parsed is an error: lockd never starts empty over it and
 //! never overwrites it.
 
+use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::core::{PersistedState, STATE_VERSION};
@@ -52,6 +54,17 @@ fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> 
     }
 }
 
+/// One of our two state inodes (at `STATE` or at `STATE.tmp`).
+#[derive(Debug)]
+struct Spare {
+    /// Open for writing; overwritten in place (it is not the published state).
+    file: File,
+    /// Device of the inode, to check that `STATE.tmp` still names it before publishing it.
+    dev: u64,
+    /// Inode number, same purpose.
+    ino: u64,
+}
+
 /// An open, locked state file.
 #[derive(Debug)]
 pub struct StateFile {
@@ -59,10 +72,28 @@ pub struct StateFile {
     path: PathBuf,
     /// Where new states are written before the rename.
     tmp: PathBuf,
-    /// The containing directory, kept open to fsync it after each rename.
+    /// The containing directory, kept open to fsync it after each rename (and as the base
+    /// of the `*at` calls, so that no write walks the path again).
     dir: File,
+    /// File name of the state file inside `dir`.
+    name: CString,
+    /// File name of the temp file inside `dir`.
+    tmp_name: CString,
     /// The flock()ed lock file: held for the life of this value.
     _lock: File,
+    /// The inode we last published as `STATE` (None until our first write).
+    cur: Option<Spare>,
+    /// Our inode at `STATE.tmp` (steady state: the previous state). A write overwrites it,
+    /// fsyncs it and swaps the two names with one atomic `renameat2(RENAME_EXCHANGE)`, so
+    /// no inode is created or freed per write (creating and freeing one cost more than the
+    /// rest of the write on tmpfs). None: the next write creates the temp file.
+    spare: Option<Spare>,
+    /// Cleared when the file system refuses `RENAME_EXCHANGE`: plain create + rename then.
+    exchange_ok: bool,
+    /// Files unlinked by a rename, freed by [`StateFile::prepare`] (off the grant path).
+    retired: Vec<File>,
+    /// Serialization buffer, reused so that a write allocates nothing once warm.
+    buf: Vec<u8>,
 }
 
 /// `STATE.lock`, beside the state file.
@@ -119,12 +150,30 @@ impl StateFile {
         let dir = File::open(&dir_path).map_err(io("open state directory", &dir_path))?;
         let mut tmp = path.as_os_str().to_owned();
         tmp.push(".tmp");
+        let file_name = |p: &Path| {
+            p.file_name()
+                .and_then(|n| CString::new(n.as_bytes()).ok())
+                .ok_or_else(|| PersistError::Io {
+                    what: "use as state file",
+                    path: p.to_path_buf(),
+                    source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+                })
+        };
+        let name = file_name(path)?;
+        let tmp_name = file_name(Path::new(&tmp))?;
         Ok((
             StateFile {
                 path: path.to_path_buf(),
                 tmp: PathBuf::from(tmp),
                 dir,
+                name,
+                tmp_name,
                 _lock: lock,
+                cur: None,
+                spare: None,
+                exchange_ok: true,
+                retired: Vec::new(),
+                buf: Vec::new(),
             },
             state,
         ))
@@ -135,29 +184,158 @@ impl StateFile {
         &self.path
     }
 
-    /// Durably replace the state: tmp file, fsync, rename, fsync directory.
-    pub fn write(&mut self, state: &PersistedState) -> Result<(), PersistError> {
-        let mut bytes = serde_json::to_vec(state).map_err(|e| PersistError::Io {
-            what: "serialize state",
-            path: self.path.clone(),
-            source: std::io::Error::other(e),
-        })?;
-        bytes.push(b'\n');
-        let mut f = OpenOptions::new()
+    /// Create (or truncate) `STATE.tmp`.
+    fn create_tmp(&self) -> Result<File, PersistError> {
+        OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(true)
             .mode(0o600)
             .open(&self.tmp)
-            .map_err(io("create", &self.tmp))?;
-        f.write_all(&bytes).map_err(io("write", &self.tmp))?;
+            .map_err(io("create", &self.tmp))
+    }
+
+    /// (device, inode, size) of what `STATE.tmp` names now, if anything.
+    fn tmp_identity(&self) -> Option<(u64, u64, u64)> {
+        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: valid dir fd, NUL-terminated name, `st` is written by the kernel on success.
+        let rc = unsafe {
+            libc::fstatat(
+                self.dir.as_raw_fd(),
+                self.tmp_name.as_ptr(),
+                st.as_mut_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        if rc != 0 {
+            return None;
+        }
+        // SAFETY: fstatat succeeded, so `st` is initialized.
+        let st = unsafe { st.assume_init() };
+        Some((st.st_dev, st.st_ino, st.st_size as u64))
+    }
+
+    /// Housekeeping kept off the grant path; call it once the grants of the last write have
+    /// been handed to the sockets. Frees files that a rename unlinked and, after a plain
+    /// rename, creates the temp file that the next write will exchange. Never fails: if
+    /// that fails, the next [`StateFile::write`] creates the temp file itself and reports
+    /// any error.
+    pub fn prepare(&mut self) {
+        self.retired.clear();
+        if !self.exchange_ok || self.spare.is_some() || self.cur.is_none() {
+            return;
+        }
+        let Ok(file) = self.create_tmp() else {
+            return;
+        };
+        let Ok(md) = file.metadata() else {
+            return;
+        };
+        self.spare = Some(Spare {
+            file,
+            dev: md.dev(),
+            ino: md.ino(),
+        });
+    }
+
+    /// Durably replace the state: the new state is written to `STATE.tmp` and fsynced, then
+    /// atomically renamed over `STATE` and the directory is fsynced. The state is durable
+    /// when this returns Ok; a crash at any point leaves `STATE` holding the old or the new
+    /// state, whole.
+    pub fn write(&mut self, state: &PersistedState) -> Result<(), PersistError> {
+        let mut bytes = std::mem::take(&mut self.buf);
+        bytes.clear();
+        let r = serde_json::to_writer(&mut bytes, state)
+            .map_err(|e| PersistError::Io {
+                what: "serialize state",
+                path: self.path.clone(),
+                source: std::io::Error::other(e),
+            })
+            .and_then(|()| {
+                bytes.push(b'\n');
+                self.write_bytes(&bytes)
+            });
+        self.buf = bytes;
+        r
+    }
+
+    fn write_bytes(&mut self, bytes: &[u8]) -> Result<(), PersistError> {
+        if self.exchange_ok && self.cur.is_some() {
+            if let Some(sp) = self.spare.take() {
+                // Publish only the inode we are about to write: if someone replaced
+                // `STATE.tmp`, fall back to creating it afresh.
+                let id = self.tmp_identity();
+                if let Some((_, _, size)) = id.filter(|&(d, i, _)| (d, i) == (sp.dev, sp.ino)) {
+                    let len = bytes.len() as u64;
+                    sp.file
+                        .write_all_at(bytes, 0)
+                        .map_err(io("write", &self.tmp))?;
+                    // Its old content was longer: cut what is left of it.
+                    if size > len {
+                        sp.file.set_len(len).map_err(io("truncate", &self.tmp))?;
+                    }
+                    sp.file.sync_all().map_err(io("fsync", &self.tmp))?;
+                    // SAFETY: valid dir fd and NUL-terminated names.
+                    let rc = unsafe {
+                        libc::renameat2(
+                            self.dir.as_raw_fd(),
+                            self.tmp_name.as_ptr(),
+                            self.dir.as_raw_fd(),
+                            self.name.as_ptr(),
+                            libc::RENAME_EXCHANGE,
+                        )
+                    };
+                    if rc == 0 {
+                        self.dir
+                            .sync_all()
+                            .map_err(io("fsync directory of", &self.path))?;
+                        // `STATE` is now `sp`; `STATE.tmp` the inode that was `STATE`.
+                        self.spare = self.cur.replace(sp);
+                        return Ok(());
+                    }
+                    let err = std::io::Error::last_os_error();
+                    if matches!(
+                        err.raw_os_error(),
+                        Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)
+                    ) {
+                        self.exchange_ok = false;
+                    }
+                    // Otherwise (e.g. `STATE` was moved away): the plain path below.
+                }
+            }
+        }
+        let mut f = self.create_tmp()?;
+        f.write_all(bytes).map_err(io("write", &self.tmp))?;
         f.sync_all().map_err(io("fsync", &self.tmp))?;
-        drop(f);
         std::fs::rename(&self.tmp, &self.path).map_err(io("rename over", &self.path))?;
         self.dir
             .sync_all()
             .map_err(io("fsync directory of", &self.path))?;
+        let new = match f.metadata() {
+            Ok(md) => Some(Spare {
+                dev: md.dev(),
+                ino: md.ino(),
+                file: f,
+            }),
+            // Without its identity it cannot be exchanged later: the next write creates.
+            Err(_) => {
+                self.retired.push(f);
+                None
+            }
+        };
+        if let Some(old) = std::mem::replace(&mut self.cur, new) {
+            self.retired.push(old.file);
+        }
         Ok(())
+    }
+}
+
+impl Drop for StateFile {
+    fn drop(&mut self) {
+        // The temp file only ever holds an older state (or nothing): do not leave it behind.
+        if self.spare.take().is_some() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
     }
 }
 
@@ -226,6 +404,91 @@ mod tests {
         drop(sf);
         let (_sf, back) = StateFile::open(&p).unwrap();
         assert_eq!(back, st2);
+    }
+
+    fn state_with_epoch(epoch: u64) -> PersistedState {
+        let mut st = PersistedState::default();
+        st.resources.insert(
+            "engine".into(),
+            PersistedResource {
+                epoch,
+                holder: None,
+            },
+        );
+        st
+    }
+
+    fn ino(p: &Path) -> u64 {
+        std::fs::metadata(p).unwrap().ino()
+    }
+
+    #[test]
+    fn steady_state_writes_exchange_two_inodes_and_always_publish_the_latest() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("state.json");
+        let tmp = d.path().join("state.json.tmp");
+        let (mut sf, _) = StateFile::open(&p).unwrap();
+        sf.write(&state_with_epoch(1)).unwrap();
+        sf.prepare();
+        let mut inodes = std::collections::BTreeSet::new();
+        // Epochs grow by one per write; longer and shorter contents alternate.
+        for e in [2u64, 100_000, 3, 4, 1_000_000_000, 5] {
+            sf.write(&state_with_epoch(e)).unwrap();
+            sf.prepare();
+            inodes.insert(ino(&p));
+            let on_disk = parse_state(&p, &std::fs::read(&p).unwrap()).unwrap();
+            assert_eq!(on_disk, state_with_epoch(e));
+        }
+        assert_eq!(inodes.len(), 2, "the two inodes are reused: {inodes:?}");
+        // The temp file holds the previous (whole) state, never a torn one.
+        let prev = parse_state(&tmp, &std::fs::read(&tmp).unwrap()).unwrap();
+        assert_eq!(prev, state_with_epoch(1_000_000_000));
+        drop(sf);
+        assert!(!tmp.exists(), "temp file removed on drop");
+        let (_sf, back) = StateFile::open(&p).unwrap();
+        assert_eq!(back, state_with_epoch(5));
+    }
+
+    #[test]
+    fn a_replaced_temp_file_or_moved_state_file_is_never_published() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("state.json");
+        let tmp = d.path().join("state.json.tmp");
+        let (mut sf, _) = StateFile::open(&p).unwrap();
+        for e in 1..=3 {
+            sf.write(&state_with_epoch(e)).unwrap();
+            sf.prepare();
+        }
+        // Someone puts another file at STATE.tmp: it must not become the state.
+        let foreign = d.path().join("foreign");
+        std::fs::write(&foreign, b"{\"version\":1,\"resources\":{}}\n").unwrap();
+        std::fs::rename(&foreign, &tmp).unwrap();
+        sf.write(&state_with_epoch(4)).unwrap();
+        sf.prepare();
+        assert_eq!(
+            parse_state(&p, &std::fs::read(&p).unwrap()).unwrap(),
+            state_with_epoch(4)
+        );
+        sf.write(&state_with_epoch(5)).unwrap();
+        sf.prepare();
+        // The state file is moved away: the next write recreates it.
+        std::fs::rename(&p, d.path().join("moved")).unwrap();
+        sf.write(&state_with_epoch(6)).unwrap();
+        assert_eq!(
+            parse_state(&p, &std::fs::read(&p).unwrap()).unwrap(),
+            state_with_epoch(6)
+        );
+        // Someone replaces STATE itself: our next write still publishes our state.
+        std::fs::write(&foreign, b"junk").unwrap();
+        std::fs::rename(&foreign, &p).unwrap();
+        for e in 7..=9 {
+            sf.write(&state_with_epoch(e)).unwrap();
+            sf.prepare();
+            assert_eq!(
+                parse_state(&p, &std::fs::read(&p).unwrap()).unwrap(),
+                state_with_epoch(e)
+            );
+        }
     }
 
     #[test]

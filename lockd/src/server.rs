@@ -8,7 +8,7 @@
 //! [`Server::run`] must be awaited on a current-thread runtime (or inside `block_on`): it
 //! uses a `LocalSet`.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::future::Future;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, Notify};
 use tracing::{debug, error, info, warn};
@@ -134,14 +134,19 @@ struct Driver {
     core: Core,
     /// Where durable state goes.
     state: StateFile,
-    /// Outbound queues of connected sessions (dropping one closes that connection).
-    sessions: HashMap<SessionId, mpsc::Sender<String>>,
+    /// Outbound paths of connected sessions (dropping one closes that connection).
+    sessions: HashMap<SessionId, Outbound>,
     /// Peer identity per session, for logs.
     peers: HashMap<SessionId, PeerInfo>,
     /// Measurements for `/metrics`.
     metrics: Metrics,
     /// Wakes the window timer when deadlines may have changed.
     timer: Rc<Notify>,
+    /// Events of the current step, concatenated per session (sent at the step's end).
+    out_batch: Vec<(SessionId, String)>,
+    /// The deadline the timer task sleeps until (as of its last look), so that a step
+    /// that leaves the earliest deadline unchanged does not wake it.
+    armed: Option<Instant>,
     /// Log lines waiting for the logger task.
     deferred: Vec<LogLine>,
     /// Wakes the logger task.
@@ -190,7 +195,14 @@ impl Driver {
                     self.pending_persist = Some((seq, state));
                     self.flush.notify_one();
                 }
-                Output::Send { session, event } => self.send(session, &event),
+                Output::Send { session, event } => {
+                    // Batch this step's events per session: one socket write each.
+                    let line = event.encode();
+                    match self.out_batch.iter_mut().find(|(s, _)| *s == session) {
+                        Some((_, l)) => l.push_str(&line),
+                        None => self.out_batch.push((session, line)),
+                    }
+                }
                 Output::Notice {
                     notice,
                     handoff_from,
@@ -200,6 +212,10 @@ impl Driver {
                         self.metrics.handoff.observe(d);
                         d.as_micros() as u64
                     });
+                    if !tracing::enabled!(tracing::Level::INFO) {
+                        // Nobody reads the line: skip the logger task's wakeup too.
+                        continue;
+                    }
                     let peer = notice.session.and_then(|s| self.peers.get(&s));
                     let (pid, uid) = (peer.and_then(|p| p.pid), peer.and_then(|p| p.uid));
                     // Logged by the logger task, after the new holder's socket write.
@@ -213,11 +229,23 @@ impl Driver {
                 }
             }
         }
-        self.timer.notify_one();
+        // In output order: the new holders' events first.
+        let mut batch = std::mem::take(&mut self.out_batch);
+        for (session, line) in batch.drain(..) {
+            self.deliver(session, line);
+        }
+        self.out_batch = batch;
+        // Wake the timer task only when the earliest deadline moved (not on every step).
+        if self.core.next_deadline() != self.armed {
+            self.timer.notify_one();
+        }
     }
 
     /// Queue a log line for the logger task (keeps log I/O off the handoff path).
     fn log_later(&mut self, line: LogLine) {
+        if !tracing::enabled!(tracing::Level::INFO) {
+            return;
+        }
         self.deferred.push(line);
         self.log_notify.notify_one();
     }
@@ -282,10 +310,28 @@ impl Driver {
     }
 
     fn send(&mut self, session: SessionId, event: &Event) {
-        let Some(tx) = self.sessions.get(&session) else {
+        self.deliver(session, event.encode());
+    }
+
+    /// Hand encoded event lines to a session's socket (or its queue).
+    fn deliver(&mut self, session: SessionId, mut line: String) {
+        let Some(out) = self.sessions.get(&session) else {
             return;
         };
-        match tx.try_send(event.encode()) {
+        // Fast path: nothing queued or being written for this session, so the event goes
+        // straight to its socket from here (no hop through the session's task). Whatever
+        // the socket does not take at once is queued, in order, for the session's task.
+        if !out.busy.get() && out.tx.capacity() == out.tx.max_capacity() {
+            match (out.try_write)(line.as_bytes()) {
+                Ok(n) if n == line.len() => return,
+                Ok(n) => {
+                    line.drain(..n);
+                }
+                // WouldBlock, or an error that the session's task will meet and report.
+                Err(_) => {}
+            }
+        }
+        match out.tx.try_send(line) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => {
                 warn!(
@@ -302,6 +348,61 @@ impl Driver {
 }
 
 type Shared = Rc<RefCell<Driver>>;
+
+/// How the driver reaches one session's socket.
+struct Outbound {
+    /// Events the socket did not take at once, written by the session's task (bounded:
+    /// `--outbound-queue`; full = slow consumer).
+    tx: mpsc::Sender<String>,
+    /// Set while the session's task holds bytes it has not finished writing; the driver
+    /// then queues instead of writing, so events keep their order.
+    busy: Rc<Cell<bool>>,
+    /// Non-blocking write to the session's socket.
+    try_write: TryWriteFn,
+}
+
+/// A session socket's non-blocking write.
+type TryWriteFn = Box<dyn Fn(&[u8]) -> std::io::Result<usize>>;
+
+/// The write half of a connection, shared by its task and the driver's fast path.
+trait SharedWrite: 'static {
+    /// Write what the socket takes now (`WouldBlock` if nothing).
+    fn try_write(&self, buf: &[u8]) -> std::io::Result<usize>;
+    /// Wait until the socket may take bytes.
+    fn writable(&self) -> impl Future<Output = std::io::Result<()>> + '_;
+}
+
+impl SharedWrite for tokio::net::unix::OwnedWriteHalf {
+    fn try_write(&self, buf: &[u8]) -> std::io::Result<usize> {
+        tokio::net::unix::OwnedWriteHalf::try_write(self, buf)
+    }
+    fn writable(&self) -> impl Future<Output = std::io::Result<()>> + '_ {
+        tokio::net::unix::OwnedWriteHalf::writable(self)
+    }
+}
+
+impl SharedWrite for tokio::net::tcp::OwnedWriteHalf {
+    fn try_write(&self, buf: &[u8]) -> std::io::Result<usize> {
+        tokio::net::tcp::OwnedWriteHalf::try_write(self, buf)
+    }
+    fn writable(&self) -> impl Future<Output = std::io::Result<()>> + '_ {
+        tokio::net::tcp::OwnedWriteHalf::writable(self)
+    }
+}
+
+/// Write all of `buf` to a shared write half.
+async fn write_all_shared<W: SharedWrite>(w: &W, buf: &[u8]) -> std::io::Result<()> {
+    let mut off = 0;
+    while off < buf.len() {
+        match w.try_write(&buf[off..]) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => off += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => w.writable().await?,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
 
 /// A lockd whose state file is locked and listeners are bound, ready to [`Server::run`].
 pub struct Server {
@@ -413,6 +514,8 @@ impl Server {
             peers: HashMap::new(),
             metrics: Metrics::default(),
             timer: Rc::new(Notify::new()),
+            out_batch: Vec::new(),
+            armed: None,
             fatal: None,
             fatal_notify: Rc::new(Notify::new()),
             pending_persist: None,
@@ -516,6 +619,10 @@ impl Server {
                     loop {
                         flush.notified().await;
                         fd.borrow_mut().flush_now();
+                        // Let the writers woken by that write (the new holder's first) run,
+                        // then free the replaced state file and create the next temp file.
+                        tokio::task::yield_now().await;
+                        fd.borrow_mut().state.prepare();
                     }
                 });
                 let (ld, logs) = (driver.clone(), driver.borrow().log_notify.clone());
@@ -530,7 +637,12 @@ impl Server {
                 let td = driver.clone();
                 tokio::task::spawn_local(async move {
                     loop {
-                        let next = td.borrow().core.next_deadline();
+                        let next = {
+                            let mut d = td.borrow_mut();
+                            let next = d.core.next_deadline();
+                            d.armed = next;
+                            next
+                        };
                         match next {
                             Some(at) => tokio::select! {
                                 _ = tokio::time::sleep_until(at.into()) => td.borrow_mut().feed(Input::Tick),
@@ -599,24 +711,28 @@ impl Bucket {
     }
 }
 
-async fn conn<R, W>(
-    d: Shared,
-    lim: Rc<ServeConfig>,
-    id: SessionId,
-    peer: PeerInfo,
-    mut r: R,
-    mut w: W,
-) where
+async fn conn<R, W>(d: Shared, lim: Rc<ServeConfig>, id: SessionId, peer: PeerInfo, mut r: R, w: W)
+where
     R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
+    W: SharedWrite,
 {
     let (tx, mut rx) = mpsc::channel::<String>(lim.outbound_queue.max(1));
+    let w = Rc::new(w);
+    let busy = Rc::new(Cell::new(false));
+    let out = {
+        let w = w.clone();
+        Outbound {
+            tx,
+            busy: busy.clone(),
+            try_write: Box::new(move |b: &[u8]| w.try_write(b)),
+        }
+    };
     info!(session = id, transport = %peer.transport, pid = peer.pid, uid = peer.uid, gid = peer.gid,
         addr = peer.addr.as_deref(), "session connected");
     {
         let mut drv = d.borrow_mut();
         drv.metrics.connections += 1;
-        drv.sessions.insert(id, tx);
+        drv.sessions.insert(id, out);
         drv.peers.insert(id, peer.clone());
         drv.feed(Input::Connect { session: id, peer });
     }
@@ -635,6 +751,8 @@ async fn conn<R, W>(
         tokio::select! {
             m = rx.recv() => match m {
                 Some(mut line) => {
+                    // The driver must not write past these bytes until they are out.
+                    busy.set(true);
                     // Coalesce whatever else is queued for this session into one write.
                     while line.len() < 64 * 1024 {
                         match rx.try_recv() {
@@ -642,7 +760,9 @@ async fn conn<R, W>(
                             Err(_) => break,
                         }
                     }
-                    match tokio::time::timeout(lim.write_timeout, w.write_all(line.as_bytes())).await {
+                    let r = tokio::time::timeout(lim.write_timeout, write_all_shared(&*w, line.as_bytes())).await;
+                    busy.set(false);
+                    match r {
                         Ok(Ok(())) => {}
                         Ok(Err(e)) => break format!("write failed: {e}"),
                         Err(_) => {
@@ -667,7 +787,8 @@ async fn conn<R, W>(
                             d.borrow_mut().metrics.bad_requests += 1;
                             warn!(session = id, max = e.max, "line too long; disconnecting");
                             let ev = Event::error(ErrorCode::LineTooLong, e.to_string(), None);
-                            let _ = w.write_all(ev.encode().as_bytes()).await;
+                            busy.set(true); // closing: the driver writes nothing more here
+                            let _ = write_all_shared(&*w, ev.encode().as_bytes()).await;
                             break 'outer "line too long".into();
                         }
                     };
@@ -679,7 +800,8 @@ async fn conn<R, W>(
                         d.borrow_mut().metrics.bad_requests += 1;
                         warn!(session = id, rate = lim.rate_limit, "request flood; disconnecting");
                         let ev = Event::error(ErrorCode::RateLimited, format!("more than {} requests/s", lim.rate_limit), None);
-                        let _ = w.write_all(ev.encode().as_bytes()).await;
+                        busy.set(true); // closing: the driver writes nothing more here
+                        let _ = write_all_shared(&*w, ev.encode().as_bytes()).await;
                         break 'outer "rate limited".into();
                     }
                     match proto::decode_request(&line, lim.max_line) {
@@ -699,7 +821,8 @@ async fn conn<R, W>(
             _ = &mut idle, if !got_request => {
                 warn!(session = id, "no request within the idle timeout; disconnecting");
                 let ev = Event::error(ErrorCode::IdleTimeout, format!("no request within {:?}", lim.idle_timeout), None);
-                let _ = w.write_all(ev.encode().as_bytes()).await;
+                busy.set(true); // closing: the driver writes nothing more here
+                let _ = write_all_shared(&*w, ev.encode().as_bytes()).await;
                 break "idle timeout".into();
             }
         }
