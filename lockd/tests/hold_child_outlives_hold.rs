@@ -11,13 +11,7 @@ fn killing_hold_alone_keeps_the_lock_until_the_child_dies() {
     let (fa, fb) = (d.path().join("a.epoch"), d.path().join("b.epoch"));
     let mut a = hold(&l, "engine", "a", &record_epoch_and_sleep(&fa), &[]);
     let ea = wait_epoch(&fa, Duration::from_secs(10));
-    let child_pid: i32 = wait_for(Duration::from_secs(5), "child pid", || {
-        std::fs::read_to_string(d.path().join("a.epoch.pid"))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
-    });
+    let child_pid = wait_child_pid(&fa, Duration::from_secs(5));
     let _b = hold(&l, "engine", "b", &record_epoch_and_sleep(&fb), &[]);
     wait_waiters(&l, "engine", 1);
 

@@ -259,6 +259,14 @@ pub fn wait_epoch(file: &Path, limit: Duration) -> u64 {
     })
 }
 
+/// The pid of the child started by [`record_epoch_and_sleep`] for `file` (it writes `FILE.pid`).
+pub fn wait_child_pid(file: &Path, limit: Duration) -> i32 {
+    let pid_file = PathBuf::from(format!("{}.pid", file.display()));
+    wait_for(limit, "child pid", || {
+        std::fs::read_to_string(&pid_file).ok()?.trim().parse().ok()
+    })
+}
+
 /// Wait until the status shows `waiters` for `res` (so that grant order is known).
 pub fn wait_waiters(l: &Lockd, res: &str, n: usize) {
     wait_for(Duration::from_secs(10), "waiters", || {
