@@ -313,27 +313,40 @@ fn cpu_secs(pid: u32) -> f64 {
     ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
 }
 
-/// Scrape lockd's handoff and persist histograms: (handoffs, mean handoff s, mean persist s).
-fn server_handoff(metrics: u16) -> (f64, f64, f64) {
+/// lockd's `/metrics` text (empty if it cannot be read).
+fn scrape(metrics: u16) -> String {
     let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", metrics)) else {
-        return (0.0, 0.0, 0.0);
+        return String::new();
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
     let _ = s.write_all(b"GET /metrics HTTP/1.1\r\n\r\n");
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
-    let get = |k: &str| {
-        out.lines()
-            .find_map(|l| l.strip_prefix(k).and_then(|v| v.trim().parse::<f64>().ok()))
-            .unwrap_or(0.0)
-    };
+    out
+}
+
+/// The value of an unlabelled metric in a scrape (0 if absent).
+fn metric(scrape: &str, name: &str) -> f64 {
+    scrape
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(name)
+                .and_then(|v| v.strip_prefix(' '))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        })
+        .unwrap_or(0.0)
+}
+
+/// lockd's handoff and persist histograms: (handoffs, mean handoff s, mean persist s).
+fn server_handoff(metrics: u16) -> (f64, f64, f64) {
+    let out = scrape(metrics);
     let (sum, count) = (
-        get("lockd_handoff_seconds_sum "),
-        get("lockd_handoff_seconds_count "),
+        metric(&out, "lockd_handoff_seconds_sum"),
+        metric(&out, "lockd_handoff_seconds_count"),
     );
     let (psum, pcount) = (
-        get("lockd_persist_seconds_sum "),
-        get("lockd_persist_seconds_count "),
+        metric(&out, "lockd_persist_seconds_sum"),
+        metric(&out, "lockd_persist_seconds_count"),
     );
     (
         count,
@@ -342,7 +355,36 @@ fn server_handoff(metrics: u16) -> (f64, f64, f64) {
     )
 }
 
-fn start_lockd(dir: &Path, sock: &Path, state: &Path, metrics: u16) -> Child {
+/// The floor under a one-resource cycle: a bare 1-byte ping-pong between two threads over
+/// a Unix socket pair, each sleeping in a blocking read (no lockd, no JSON, no fsync).
+/// Returns round trips per second over `secs`.
+fn bare_round_trip(secs: f64) -> f64 {
+    let (mut a, mut b) = UnixStream::pair().expect("socketpair");
+    let echo = std::thread::spawn(move || {
+        let mut x = [0u8; 1];
+        while matches!(b.read(&mut x), Ok(1)) {
+            if b.write_all(&x).is_err() {
+                break;
+            }
+        }
+    });
+    let mut x = [0u8; 1];
+    let t = Instant::now();
+    let mut n = 0u64;
+    while t.elapsed().as_secs_f64() < secs {
+        for _ in 0..100 {
+            a.write_all(b"x").expect("ping");
+            a.read_exact(&mut x).expect("pong");
+        }
+        n += 100;
+    }
+    let rate = n as f64 / t.elapsed().as_secs_f64();
+    drop(a);
+    let _ = echo.join();
+    rate
+}
+
+fn start_lockd(dir: &Path, sock: &Path, state: &Path, metrics: u16, extra: &[&str]) -> Child {
     let mut c = Command::new(LOCKD);
     c.args([
         "serve",
@@ -353,6 +395,9 @@ fn start_lockd(dir: &Path, sock: &Path, state: &Path, metrics: u16) -> Child {
     .arg(state)
     .args(["--metrics", &format!("127.0.0.1:{metrics}")])
     .args(["--rate-limit", "1000000"])
+    .args(extra)
+    // Measure the shipped default unless `extra` says otherwise.
+    .env_remove("LOCKD_BUSY_POLL")
     .env(
         "LOCKD_LOG",
         std::env::var("LOCKD_BENCH_LOG").unwrap_or_else(|_| "warn".into()),
@@ -392,7 +437,7 @@ fn main() {
         .local_addr()
         .unwrap()
         .port();
-    let mut lockd = start_lockd(dir.path(), &sock, &state, metrics);
+    let mut lockd = start_lockd(dir.path(), &sock, &state, metrics, &[]);
 
     let (mut l_us, mut f_us) = (Vec::new(), Vec::new());
     for i in 0..rounds {
@@ -448,30 +493,77 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    let bp0 = scrape(metrics);
     let cpu0 = cpu_secs(lockd.id());
     let me0 = cpu_secs(std::process::id());
     let (n1, tp1) = rt.block_on(throughput(&sock, clients, 1, secs));
     let cpu1 = cpu_secs(lockd.id());
     let me1 = cpu_secs(std::process::id());
+    let bp1 = scrape(metrics);
     let (n8, tp8) = rt.block_on(throughput(&sock, clients, 8, secs));
-    let (nt, tpt) = throughput_threads(&sock, clients, 1, secs);
     let cpu8 = cpu_secs(lockd.id());
+    let (nt, tpt) = throughput_threads(&sock, clients, 1, secs);
+
+    // The same one-resource run against a second lockd with busy-polling off.
+    let off_dir = dir.path().join("busy-poll-off");
+    std::fs::create_dir(&off_dir).unwrap();
+    let off_sock = off_dir.join("lockd.sock");
+    let off_metrics = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut off = start_lockd(
+        &off_dir,
+        &off_sock,
+        &off_dir.join("state.json"),
+        off_metrics,
+        &["--busy-poll", "0"],
+    );
+    let ocpu0 = cpu_secs(off.id());
+    let (no, tpo) = rt.block_on(throughput(&off_sock, clients, 1, secs));
+    let ocpu1 = cpu_secs(off.id());
+    // SAFETY: kill(2) on the lockd we started.
+    unsafe { libc::kill(off.id() as i32, libc::SIGTERM) };
+    let _ = off.wait();
+    let bare = bare_round_trip(2.0);
+
+    let per = |cpu: f64, n: u64| cpu * 1e6 / n.max(1) as f64;
+    let (c1, c8, co) = (
+        per(cpu1 - cpu0, n1),
+        per(cpu8 - cpu1, n8),
+        per(ocpu1 - ocpu0, no),
+    );
+    let spin_s = metric(&bp1, "lockd_busy_poll_seconds_total")
+        - metric(&bp0, "lockd_busy_poll_seconds_total");
+    let hits =
+        metric(&bp1, "lockd_busy_poll_hits_total") - metric(&bp0, "lockd_busy_poll_hits_total");
+    let d = |k: &str| metric(&bp1, k) - metric(&bp0, k);
+    let write_us = d("lockd_persist_seconds_sum") * 1e6 / d("lockd_persist_seconds_count").max(1.0);
+    let writes_per_cycle = d("lockd_persist_seconds_count") / n1.max(1) as f64;
     println!("\nthroughput: grant/release cycles with {clients} contending clients, state fsynced per grant");
     println!(
         "  1 resource : {tp1:>9.0} cycles/s ({n1} cycles) (target >= 20000: {})",
         if tp1 >= 20000.0 { "MET" } else { "MISSED" }
     );
-    println!("  8 resources: {tp8:>9.0} cycles/s ({n8} cycles)");
-    let (c1, c8) = (
-        (cpu1 - cpu0) * 1e6 / n1.max(1) as f64,
-        (cpu8 - cpu1) * 1e6 / n8.max(1) as f64,
+    println!(
+        "    durable state writes: {writes_per_cycle:.2} per cycle, {write_us:.1} us each (mean)"
     );
+    println!("  8 resources: {tp8:>9.0} cycles/s ({n8} cycles)");
     println!("  1 resource, one blocking thread per client: {tpt:>9.0} cycles/s ({nt} cycles)");
+    println!("  1 resource, lockd --busy-poll 0: {tpo:>9.0} cycles/s ({no} cycles)");
+    println!(
+        "  bare Unix-socket round trip between two sleeping threads (no lockd): {bare:>9.0}/s ({:.1} us); a one-resource cycle is one such round trip plus lockd's and the client's work",
+        1e6 / bare.max(1.0)
+    );
     println!(
         "  client (this process) CPU per cycle: {:.1} us (1 resource)",
-        (me1 - me0) * 1e6 / n1.max(1) as f64
+        per(me1 - me0, n1)
     );
-    println!("  lockd CPU per cycle: {c1:.1} us (1 resource), {c8:.1} us (8 resources) -> one-core ceiling ~{:.0} cycles/s", 1e6 / c1.max(0.001));
+    println!("  lockd CPU per cycle: {c1:.1} us (1 resource; busy-poll mode {:.0}% of the run, {:.0}% of reads found while polling), {c8:.1} us (8 resources), {co:.1} us (1 resource, --busy-poll 0)",
+        100.0 * spin_s / secs.max(1) as f64,
+        100.0 * hits / n1.max(1) as f64,
+    );
     let mut load = String::new();
     let _ = std::fs::File::open("/proc/loadavg").and_then(|mut f| f.read_to_string(&mut load));
     println!(
@@ -487,8 +579,9 @@ fn main() {
         serde_json::json!({
             "rounds": rounds,
             "handoff_us": {"lockd": {"median": lm, "p99": lp}, "flock": {"median": fm, "p99": fp}, "median_ratio": ratio},
-            "throughput_cycles_per_s": {"clients": clients, "one_resource": tp1, "eight_resources": tp8},
-            "lockd_cpu_us_per_cycle": {"one_resource": c1, "eight_resources": c8},
+            "throughput_cycles_per_s": {"clients": clients, "one_resource": tp1, "eight_resources": tp8, "one_resource_threads": tpt, "one_resource_busy_poll_off": tpo},
+            "bare_round_trips_per_s": bare,
+            "lockd_cpu_us_per_cycle": {"one_resource": c1, "eight_resources": c8, "one_resource_busy_poll_off": co},
         })
     );
     // SAFETY: kill(2) on lockd, which we started.

@@ -126,6 +126,11 @@ struct ServeArgs {
     /// A connection whose socket accepts no bytes for this long is disconnected.
     #[arg(long, env = "LOCKD_WRITE_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration)]
     write_timeout: Duration,
+    /// After each request keep polling the sockets this long without sleeping, so that a
+    /// client's next request is read without a thread wakeup (0 = off). Costs at most this
+    /// much CPU per request; an idle lockd never spins.
+    #[arg(long, env = "LOCKD_BUSY_POLL", default_value = "100us", value_parser = humantime::parse_duration)]
+    busy_poll: Duration,
 }
 
 #[derive(clap::Args)]
@@ -245,6 +250,7 @@ async fn serve(a: ServeArgs) -> ExitCode {
         rate_limit: a.rate_limit,
         outbound_queue: a.outbound_queue,
         write_timeout: a.write_timeout,
+        busy_poll: a.busy_poll,
     };
     let server = match Server::bind(cfg).await {
         Ok(s) => s,

@@ -68,6 +68,11 @@ pub struct Metrics {
     pub connections: u64,
     /// Requests refused as malformed/unknown/oversized/rate-limited.
     pub bad_requests: u64,
+    /// Wall time spent awake in busy-poll mode after requests instead of sleeping (the
+    /// requests served meanwhile included): what `--busy-poll` costs in CPU.
+    pub busy_poll: Duration,
+    /// Reads that found their bytes while lockd was busy-polling (wakeups saved).
+    pub busy_poll_hits: u64,
 }
 
 impl Default for Metrics {
@@ -77,6 +82,8 @@ impl Default for Metrics {
             persist: Histogram::new(HANDOFF_BUCKETS),
             connections: 0,
             bad_requests: 0,
+            busy_poll: Duration::ZERO,
+            busy_poll_hits: 0,
         }
     }
 }
@@ -131,9 +138,19 @@ pub fn render(
             "Malformed, unknown, oversized or rate-limited requests.",
             m.bad_requests,
         ),
+        (
+            "lockd_busy_poll_hits_total",
+            "Reads whose bytes arrived while lockd was busy-polling (a thread wakeup saved).",
+            m.busy_poll_hits,
+        ),
     ] {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
     }
+    let _ = writeln!(
+        o,
+        "# HELP lockd_busy_poll_seconds_total Wall time lockd stayed awake busy-polling after requests instead of sleeping (serving requests meanwhile): the CPU that --busy-poll costs.\n# TYPE lockd_busy_poll_seconds_total counter\nlockd_busy_poll_seconds_total {}",
+        m.busy_poll.as_secs_f64()
+    );
     let _ = writeln!(o, "# HELP lockd_sessions Connected sessions.\n# TYPE lockd_sessions gauge\nlockd_sessions {sessions}");
     let _ = writeln!(
         o,

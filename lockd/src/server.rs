@@ -51,6 +51,11 @@ pub struct ServeConfig {
     pub outbound_queue: usize,
     /// A connection whose socket accepts no bytes for this long is disconnected.
     pub write_timeout: Duration,
+    /// After each request, keep polling the sockets without sleeping for this long, so
+    /// that the next request (typically the new holder's answer to a grant) is read
+    /// without waking a sleeping thread. Zero: sleep at once. Costs at most this much
+    /// CPU per request; idle lockd never spins.
+    pub busy_poll: Duration,
 }
 
 impl ServeConfig {
@@ -67,9 +72,14 @@ impl ServeConfig {
             rate_limit: 10_000,
             outbound_queue: 1024,
             write_timeout: Duration::from_secs(5),
+            busy_poll: DEFAULT_BUSY_POLL,
         }
     }
 }
+
+/// Default [`ServeConfig::busy_poll`]: longer than one round trip to a client on another
+/// CPU (measured 18–55 µs on a 2-vCPU VM), short enough that a request costs little more.
+pub const DEFAULT_BUSY_POLL: Duration = Duration::from_micros(100);
 
 /// Why lockd could not start or had to stop.
 #[derive(Debug, thiserror::Error)]
@@ -159,6 +169,12 @@ struct Driver {
     fatal: Option<PersistError>,
     /// Wakes `run` when `fatal` is set.
     fatal_notify: Rc<Notify>,
+    /// Busy-poll window after a request (zero: off).
+    busy_poll: Duration,
+    /// The spinner task polls without sleeping until this instant.
+    spin_until: Instant,
+    /// Wakes the spinner task.
+    spin: Rc<Notify>,
 }
 
 impl Driver {
@@ -239,6 +255,20 @@ impl Driver {
         if self.core.next_deadline() != self.armed {
             self.timer.notify_one();
         }
+    }
+
+    /// A request was read: keep polling without sleeping for the busy-poll window.
+    fn busy_poll_after_request(&mut self) {
+        if self.busy_poll.is_zero() {
+            return;
+        }
+        let now = Instant::now();
+        if now < self.spin_until {
+            // Read while spinning: the wakeup it saved is what the window is for.
+            self.metrics.busy_poll_hits += 1;
+        }
+        self.spin_until = now + self.busy_poll;
+        self.spin.notify_one();
     }
 
     /// Queue a log line for the logger task (keeps log I/O off the handoff path).
@@ -522,6 +552,9 @@ impl Server {
             deferred: Vec::new(),
             log_notify: Rc::new(Notify::new()),
             flush: Rc::new(Notify::new()),
+            busy_poll: cfg.busy_poll,
+            spin_until: Instant::now(),
+            spin: Rc::new(Notify::new()),
         }));
         Ok(Server {
             cfg,
@@ -623,6 +656,19 @@ impl Server {
                         // then free the replaced state file and create the next temp file.
                         tokio::task::yield_now().await;
                         fd.borrow_mut().state.prepare();
+                    }
+                });
+                let (sd, spin) = (driver.clone(), driver.borrow().spin.clone());
+                tokio::task::spawn_local(async move {
+                    loop {
+                        spin.notified().await;
+                        let start = Instant::now();
+                        // Each yield makes the runtime poll epoll with a zero timeout
+                        // instead of sleeping in it; other tasks run in between.
+                        while Instant::now() < sd.borrow().spin_until {
+                            tokio::task::yield_now().await;
+                        }
+                        sd.borrow_mut().metrics.busy_poll += start.elapsed();
                     }
                 });
                 let (ld, logs) = (driver.clone(), driver.borrow().log_notify.clone());
@@ -780,6 +826,7 @@ where
                     Err(e) => break format!("read failed: {e}"),
                 };
                 lb.push(&buf[..n]);
+                d.borrow_mut().busy_poll_after_request();
                 while let Some(item) = lb.next_line() {
                     let line = match item {
                         Ok(l) => l,

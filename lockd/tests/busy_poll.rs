@@ -1,0 +1,112 @@
+//! `--busy-poll`: after a request lockd polls without sleeping for the window, then sleeps;
+//! an idle lockd burns no CPU, and `--busy-poll 0` never polls.
+mod common;
+use common::*;
+use std::io::{Read, Write};
+use std::time::Duration;
+
+fn scrape(port: u16) -> String {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+fn metric(port: u16, name: &str) -> f64 {
+    let m = scrape(port);
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{m}"))
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// user+system CPU seconds of a process.
+fn cpu_secs(pid: i32) -> f64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let f: Vec<&str> = s.rsplit_once(')').unwrap().1.split_whitespace().collect();
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    // SAFETY: sysconf has no preconditions.
+    ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+}
+
+const SPIN: &str = "lockd_busy_poll_seconds_total";
+const HITS: &str = "lockd_busy_poll_hits_total";
+
+#[test]
+fn polls_for_the_window_after_requests_then_sleeps() {
+    let d = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let l = Lockd::start(
+        d.path(),
+        &[
+            "--metrics",
+            &format!("127.0.0.1:{port}"),
+            "--busy-poll",
+            "200ms",
+        ],
+    );
+    let pid = l.proc.as_ref().unwrap().pid();
+    // The start-up `status` request opened a window; let it close.
+    std::thread::sleep(Duration::from_millis(400));
+    let (spin0, hits0, cpu0) = (metric(port, SPIN), metric(port, HITS), cpu_secs(pid));
+    assert!(
+        spin0 >= 0.19,
+        "the start-up request was followed by polling: {spin0}"
+    );
+    std::thread::sleep(Duration::from_millis(600));
+    let (spin1, cpu1) = (metric(port, SPIN), cpu_secs(pid));
+    assert_eq!(spin0, spin1, "no polling without requests");
+    assert!(
+        cpu1 - cpu0 < 0.2,
+        "an idle lockd sleeps: {:.2} s of CPU in 0.6 s",
+        cpu1 - cpu0
+    );
+
+    // Two requests 20 ms apart: the second is read while polling.
+    let mut c = Conn::connect(&l.sock).unwrap();
+    c.send(r#"{"op":"status"}"#);
+    c.recv_until("status").unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    c.send(r#"{"op":"status"}"#);
+    c.recv_until("status").unwrap();
+    std::thread::sleep(Duration::from_millis(400));
+    let (spin2, hits2) = (metric(port, SPIN), metric(port, HITS));
+    assert!(
+        spin2 - spin1 >= 0.2 && spin2 - spin1 < 2.0,
+        "one window after the last request: {}",
+        spin2 - spin1
+    );
+    assert!(hits2 > hits0, "the second request was read while polling");
+}
+
+#[test]
+fn zero_never_polls() {
+    let d = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let l = Lockd::start(
+        d.path(),
+        &[
+            "--metrics",
+            &format!("127.0.0.1:{port}"),
+            "--busy-poll",
+            "0",
+        ],
+    );
+    let mut c = Conn::connect(&l.sock).unwrap();
+    for _ in 0..5 {
+        c.send(r#"{"op":"status"}"#);
+        c.recv_until("status").unwrap();
+    }
+    assert_eq!(metric(port, SPIN), 0.0);
+    assert_eq!(metric(port, HITS), 0.0);
+}
