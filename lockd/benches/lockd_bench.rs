@@ -9,7 +9,10 @@
 //!    (its first action is to print CLOCK_REALTIME in ns via `date +%s%N`), for `lockd hold`
 //!    and for util-linux `flock(1)` over the same number of interleaved rounds; median, p99, ratio.
 //! 2. grant/release throughput with N contending clients on one resource (and, for reference,
-//!    spread over 8 resources): each client pipelines `release`+`acquire` as soon as it is granted.
+//!    spread over 8 resources, with one blocking thread per client, and against a second lockd
+//!    started with `--busy-poll 0`): each client pipelines `release`+`acquire` as soon as it is
+//!    granted; plus the machine's bare Unix-socket round trip between two sleeping threads, the
+//!    floor under a one-resource cycle when lockd sleeps between requests.
 //!
 //! lockd runs with `LOCKD_LOG=warn` (set `LOCKD_BENCH_LOG=info` to include its per-transition
 //! log lines, written to a file in the bench directory).
