@@ -2,32 +2,13 @@
 //! an idle lockd burns no CPU, and `--busy-poll 0` never polls.
 mod common;
 use common::*;
-use std::io::{Read, Write};
 use std::time::Duration;
-
-fn scrape(port: u16) -> String {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
 
 fn metric(port: u16, name: &str) -> f64 {
     let m = scrape(port);
     m.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
         .unwrap_or_else(|| panic!("no {name} in\n{m}"))
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// user+system CPU seconds of a process.

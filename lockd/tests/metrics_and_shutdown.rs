@@ -2,26 +2,7 @@
 //! handoff histogram); SIGTERM stops lockd cleanly (exit 0, socket removed, state kept).
 mod common;
 use common::*;
-use std::io::{Read, Write};
 use std::time::Duration;
-
-fn scrape(port: u16) -> String {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 #[test]
 fn metrics_then_clean_sigterm_shutdown() {
