@@ -537,11 +537,12 @@ fn main() {
         per(cpu8 - cpu1, n8),
         per(ocpu1 - ocpu0, no),
     );
-    let spin_s = metric(&bp1, "lockd_busy_poll_seconds_total")
-        - metric(&bp0, "lockd_busy_poll_seconds_total");
-    let hits =
-        metric(&bp1, "lockd_busy_poll_hits_total") - metric(&bp0, "lockd_busy_poll_hits_total");
+    // Growth of a lockd metric over the 1-resource phase.
     let d = |k: &str| metric(&bp1, k) - metric(&bp0, k);
+    let (spin_s, hits) = (
+        d("lockd_busy_poll_seconds_total"),
+        d("lockd_busy_poll_hits_total"),
+    );
     let write_us = d("lockd_persist_seconds_sum") * 1e6 / d("lockd_persist_seconds_count").max(1.0);
     let writes_per_cycle = d("lockd_persist_seconds_count") / n1.max(1) as f64;
     println!("\nthroughput: grant/release cycles with {clients} contending clients, state fsynced per grant");

@@ -20,22 +20,21 @@ fn cpu_secs(pid: i32) -> f64 {
     ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
 }
 
+/// A lockd with `--busy-poll window` and metrics on a free loopback port.
+fn start(dir: &std::path::Path, window: &str) -> (Lockd, u16) {
+    let port = free_port();
+    let metrics = format!("127.0.0.1:{port}");
+    let l = Lockd::start(dir, &["--metrics", &metrics, "--busy-poll", window]);
+    (l, port)
+}
+
 const SPIN: &str = "lockd_busy_poll_seconds_total";
 const HITS: &str = "lockd_busy_poll_hits_total";
 
 #[test]
 fn polls_for_the_window_after_requests_then_sleeps() {
     let d = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let l = Lockd::start(
-        d.path(),
-        &[
-            "--metrics",
-            &format!("127.0.0.1:{port}"),
-            "--busy-poll",
-            "200ms",
-        ],
-    );
+    let (l, port) = start(d.path(), "200ms");
     let pid = l.proc.as_ref().unwrap().pid();
     // The start-up `status` request opened a window; let it close.
     std::thread::sleep(Duration::from_millis(400));
@@ -73,16 +72,7 @@ fn polls_for_the_window_after_requests_then_sleeps() {
 #[test]
 fn zero_never_polls() {
     let d = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let l = Lockd::start(
-        d.path(),
-        &[
-            "--metrics",
-            &format!("127.0.0.1:{port}"),
-            "--busy-poll",
-            "0",
-        ],
-    );
+    let (l, port) = start(d.path(), "0");
     let mut c = Conn::connect(&l.sock).unwrap();
     for _ in 0..5 {
         c.send(r#"{"op":"status"}"#);
