@@ -10,7 +10,18 @@
 //!   (Decision 7: memory is freed only when the last process holding it dies).
 //!
 //! Every wait is bounded. Without a GPU driver (NVML init fails) device checks are off;
-//! that is logged once and the checks step aside. CUDA is never called here.
+//! that is logged once and the checks step aside. CUDA is never called here. With
+//! `gpu_sim` (`--gpu-sim DIR`) the device is a [`DirDevice`] shared across processes
+//! (testing/drills; format in [`crate::simdev`]) instead of NVML.
+//!
+//! Free memory before the wake ([`MinFree`], `--min-free-memory`) defaults to [`MinFree::Auto`]:
+//! as much as the engine itself released when it went to sleep, measured on the device around
+//! the sleep call ([`GpuChecks::note_sleep`]). Waking re-allocates exactly that (weights and KV
+//! cache without GMS; the KV cache with GMS, whose weights stay in the GMS process), so it is
+//! the memory that must be back before `/wake_up`, whatever the model size. This wait covers
+//! the window in which the lock is already released but the dying engine's device memory is
+//! not (the last process's descriptors are released one by one as it exits; a worker that
+//! closed its inherited descriptors is invisible to the lock).
 //!
 //! PID namespaces: NVML reports pids as the host's PID namespace sees them. We match by pid
 //! only when our own PID namespace is the host's (the initial namespace has the fixed inode
@@ -31,6 +42,7 @@ use tracing::{info, warn};
 use crate::backend::MemInfo;
 use crate::client::{ClientError, ConnectOptions, GmsClient};
 use crate::protocol::RequestedLockType;
+use crate::simdev::DirDevice;
 
 /// Inode of the initial (host) PID namespace in Linux (PROC_PID_INIT_INO).
 pub const HOST_PID_NS_INODE: u64 = 0xEFFF_FFFC;
@@ -46,17 +58,70 @@ pub enum PidNamespace {
     Foreign,
 }
 
+/// Free device memory the engine needs before it is woken (`--min-free-memory`), resolved
+/// against the device's total at check time. Also a lower bound of `after_reap`'s target.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub enum MinFree {
+    /// What the engine released when it last went to sleep (`auto`, the default); no wait if
+    /// it never slept under this supervisor (a primary that went straight to Active).
+    Auto,
+    /// No wait (`0`, `off`).
+    Off,
+    /// This many bytes.
+    Bytes(u64),
+    /// This fraction of the device's total memory, in (0, 1] (`50%` is 0.5).
+    Fraction(f64),
+}
+
+impl MinFree {
+    /// The default wherever a device is configured (see the module docs).
+    pub const DEFAULT: MinFree = MinFree::Auto;
+
+    /// Bytes needed on a device with `total` bytes (0: no wait); `released_at_sleep` is what
+    /// the engine released at its last sleep, if measured ([`MinFree::Auto`]).
+    pub fn resolve(self, total: u64, released_at_sleep: Option<u64>) -> u64 {
+        match self {
+            MinFree::Auto => released_at_sleep.unwrap_or(0).min(total),
+            MinFree::Off => 0,
+            MinFree::Bytes(b) => b,
+            MinFree::Fraction(f) if f.is_finite() => (total as f64 * f.clamp(0.0, 1.0)) as u64,
+            MinFree::Fraction(_) => 0,
+        }
+    }
+}
+
+impl Default for MinFree {
+    fn default() -> Self {
+        MinFree::DEFAULT
+    }
+}
+
+impl std::fmt::Display for MinFree {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MinFree::Auto => write!(f, "auto"),
+            MinFree::Off => write!(f, "off"),
+            MinFree::Bytes(b) => write!(f, "{b} bytes"),
+            MinFree::Fraction(x) => write!(f, "{}% of total", x * 100.0),
+        }
+    }
+}
+
 /// Configuration (the supervisor maps its flags onto it).
 #[derive(Debug, Clone)]
 pub struct ChecksConfig {
     /// `--gms SOCKET`: the weights GMS; None disables the GMS checks.
     pub gms_socket: Option<PathBuf>,
-    /// `--gpu N`: NVML device index; None disables the device checks.
+    /// `--gpu N`: NVML device index; None (and no `gpu_sim`) disables the device checks.
     pub gpu: Option<u32>,
+    /// `--gpu-sim DIR`: a simulated device shared across processes ([`DirDevice`]) instead of
+    /// NVML (testing/drills); wins over `gpu`. Its pids are this machine's: `Auto` matches by pid.
+    pub gpu_sim: Option<PathBuf>,
     /// `--memory-release-timeout`: bound of `after_reap` and of the free-memory wait.
     pub memory_release_timeout: Duration,
-    /// `--min-free-memory`: bytes the engine needs free before it wakes.
-    pub min_free_memory: Option<u64>,
+    /// `--min-free-memory`: free memory the engine needs before it wakes (default: 50% of
+    /// the device); also a lower bound of the after-reap target.
+    pub min_free_memory: MinFree,
     /// Bound of every GMS interaction in `at_standby` / `before_wake`.
     pub handshake_timeout: Duration,
     /// Device polling period.
@@ -72,8 +137,9 @@ impl Default for ChecksConfig {
         Self {
             gms_socket: None,
             gpu: None,
+            gpu_sim: None,
             memory_release_timeout: Duration::from_secs(30),
-            min_free_memory: None,
+            min_free_memory: MinFree::DEFAULT,
             handshake_timeout: Duration::from_secs(30),
             poll_interval: Duration::from_millis(100),
             memory_tolerance: 64 << 20,
@@ -373,6 +439,8 @@ pub struct GpuChecks {
     reap_timeouts: AtomicU64,
     /// Engine processes seen on the device when reaping (orphans that kept the GPU).
     engine_processes_seen: AtomicU64,
+    /// Bytes the engine released at its last sleep (for [`MinFree::Auto`]).
+    released_at_sleep: Mutex<Option<u64>>,
 }
 
 impl std::fmt::Debug for GpuChecks {
@@ -393,6 +461,7 @@ impl std::fmt::Debug for NvmlDevice {
 }
 
 static NO_DEVICE_LOGGED: Once = Once::new();
+static SIM_DEVICE_LOGGED: Once = Once::new();
 
 /// True when this process runs in the host's PID namespace.
 pub fn in_host_pid_namespace() -> bool {
@@ -406,7 +475,21 @@ pub fn in_host_pid_namespace() -> bool {
 
 impl GpuChecks {
     /// Opens NVML when `cfg.gpu` is set; without a driver device checks are off (logged once).
-    pub fn new(cfg: ChecksConfig) -> Self {
+    /// With `cfg.gpu_sim` the device is a [`DirDevice`] on that directory instead (logged
+    /// once; it wins over `cfg.gpu`), and `PidNamespace::Auto` matches by pid.
+    pub fn new(mut cfg: ChecksConfig) -> Self {
+        if let Some(dir) = cfg.gpu_sim.clone() {
+            SIM_DEVICE_LOGGED.call_once(|| {
+                info!(dir = %dir.display(), ignored_gpu = ?cfg.gpu, min_free_memory = %cfg.min_free_memory,
+                      "GPU device checks on a SIMULATED device (--gpu-sim), not NVML");
+            });
+            if cfg.pid_namespace == PidNamespace::Auto {
+                // The pids in DIR are this machine's pids, as /proc shows them to us.
+                cfg.pid_namespace = PidNamespace::Host;
+            }
+            let dev: Arc<dyn Device> = Arc::new(DirDevice::new(dir));
+            return Self::with_device(cfg, Some(dev));
+        }
         let device: Option<Arc<dyn Device>> = match cfg.gpu {
             None => None,
             Some(i) => match NvmlDevice::open(i) {
@@ -434,6 +517,54 @@ impl GpuChecks {
             reap_checks: AtomicU64::new(0),
             reap_timeouts: AtomicU64::new(0),
             engine_processes_seen: AtomicU64::new(0),
+            released_at_sleep: Mutex::new(None),
+        }
+    }
+
+    /// Free device memory now (None without a device, or if the device cannot say).
+    pub fn free_memory_now(&self) -> Option<u64> {
+        self.device.as_ref()?.memory().ok().map(|m| m.free)
+    }
+
+    /// Record the free device memory sampled right before and right after the engine went to
+    /// sleep: the difference is what it released, and what [`MinFree::Auto`] waits for before
+    /// the next wake. Another engine allocating meanwhile makes it smaller (the wait is then
+    /// less strict), never larger than what came free.
+    pub fn note_sleep(&self, before: Option<u64>, after: Option<u64>) {
+        let (Some(b), Some(a)) = (before, after) else {
+            return;
+        };
+        let released = a.saturating_sub(b);
+        info!(
+            free_before = b,
+            free_after = a,
+            released,
+            "engine asleep: device memory it released (needed back before it wakes)"
+        );
+        *self
+            .released_at_sleep
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(released);
+    }
+
+    /// What the engine released at its last sleep, if measured.
+    pub fn released_at_sleep(&self) -> Option<u64> {
+        *self
+            .released_at_sleep
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Bytes that must be free before waking (`--min-free-memory`; `auto` less the tolerance).
+    fn min_free_need(&self, total: u64) -> u64 {
+        let need = self
+            .cfg
+            .min_free_memory
+            .resolve(total, self.released_at_sleep());
+        if self.cfg.min_free_memory == MinFree::Auto {
+            need.saturating_sub(self.cfg.memory_tolerance)
+        } else {
+            need
         }
     }
 
@@ -596,22 +727,38 @@ impl GpuChecks {
         }
         let mut free_memory = None;
         if let Some(dev) = &self.device {
-            let deadline = Instant::now() + self.cfg.memory_release_timeout;
+            let wait_start = Instant::now();
+            let deadline = wait_start + self.cfg.memory_release_timeout;
+            let mut free_before = None;
+            let mut samples = 0u32;
             let mem = loop {
                 let mem = dev.memory().map_err(CheckError::Device)?;
-                match self.cfg.min_free_memory {
-                    Some(need) if mem.free < need => {
-                        if Instant::now() >= deadline {
-                            return Err(CheckError::InsufficientFreeMemory {
-                                need,
-                                free: mem.free,
-                                after: self.cfg.memory_release_timeout,
-                            });
-                        }
-                        tokio::time::sleep(self.cfg.poll_interval).await;
+                samples += 1;
+                let free_before = *free_before.get_or_insert(mem.free);
+                let need = self.min_free_need(mem.total);
+                if mem.free >= need {
+                    if samples > 1 {
+                        info!(waited_ms = wait_start.elapsed().as_millis() as u64, free_before,
+                              free_after = mem.free, need, total = mem.total,
+                              min_free_memory = %self.cfg.min_free_memory,
+                              "gpu check before wake: waited for free device memory");
                     }
-                    _ => break mem,
+                    break mem;
                 }
+                if samples == 1 {
+                    info!(free = mem.free, need, total = mem.total,
+                          min_free_memory = %self.cfg.min_free_memory,
+                          bound_ms = self.cfg.memory_release_timeout.as_millis() as u64,
+                          "gpu check before wake: not enough free device memory yet; waiting");
+                }
+                if Instant::now() >= deadline {
+                    return Err(CheckError::InsufficientFreeMemory {
+                        need,
+                        free: mem.free,
+                        after: self.cfg.memory_release_timeout,
+                    });
+                }
+                tokio::time::sleep(self.cfg.poll_interval).await;
             };
             let procs = dev.compute_processes().map_err(CheckError::Device)?;
             *self.baseline.lock().unwrap_or_else(|p| p.into_inner()) = Some(Baseline {
@@ -687,7 +834,7 @@ impl GpuChecks {
                 target = [
                     baseline.map(|b| b.free.saturating_sub(tol)).unwrap_or(0),
                     (mem.free + engine_used).saturating_sub(tol),
-                    self.cfg.min_free_memory.unwrap_or(0),
+                    self.min_free_need(mem.total),
                 ]
                 .into_iter()
                 .max()
@@ -757,5 +904,161 @@ pub fn weight_loading_lock(engine_id: u32) -> RequestedLockType {
         RequestedLockType::RwOrRo
     } else {
         RequestedLockType::Ro
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn min_free_resolves_against_the_total() {
+        assert_eq!(MinFree::default(), MinFree::Auto);
+        assert_eq!(ChecksConfig::default().min_free_memory, MinFree::DEFAULT);
+        assert_eq!(MinFree::Auto.resolve(80 * GIB, None), 0);
+        assert_eq!(MinFree::Auto.resolve(80 * GIB, Some(30 * GIB)), 30 * GIB);
+        assert_eq!(MinFree::Auto.resolve(80 * GIB, Some(90 * GIB)), 80 * GIB);
+        assert_eq!(MinFree::Off.resolve(80 * GIB, Some(GIB)), 0);
+        assert_eq!(MinFree::Bytes(7).resolve(80 * GIB, Some(GIB)), 7);
+        assert_eq!(MinFree::Fraction(0.5).resolve(80 * GIB, None), 40 * GIB);
+        assert_eq!(MinFree::Fraction(2.0).resolve(80 * GIB, None), 80 * GIB);
+        assert_eq!(MinFree::Fraction(f64::NAN).resolve(80 * GIB, None), 0);
+        assert_eq!(MinFree::DEFAULT.to_string(), "auto");
+    }
+
+    fn sim(total: u64) -> (Arc<SimulatedDevice>, Option<Arc<dyn Device>>) {
+        let d = Arc::new(SimulatedDevice::new(total));
+        let dyn_d: Arc<dyn Device> = d.clone();
+        (d, Some(dyn_d))
+    }
+
+    #[tokio::test]
+    async fn before_wake_waits_by_default_for_what_the_engine_released_at_sleep() {
+        let (dev, d) = sim(80 * GIB);
+        dev.add_process(100, 60 * GIB); // the dead engine's memory, not yet freed
+        let cfg = ChecksConfig {
+            memory_release_timeout: Duration::from_millis(200),
+            poll_interval: Duration::from_millis(10),
+            memory_tolerance: 0,
+            ..ChecksConfig::default()
+        };
+        // Never slept (nothing measured): no wait.
+        let fresh = GpuChecks::with_device(cfg.clone(), d.clone());
+        assert_eq!(fresh.released_at_sleep(), None);
+        assert_eq!(
+            fresh.before_wake().await.unwrap().free_memory,
+            Some(20 * GIB)
+        );
+        // Slept, releasing 70 GiB: that much must be back before the wake.
+        let checks = GpuChecks::with_device(cfg.clone(), d.clone());
+        checks.note_sleep(Some(5 * GIB), Some(75 * GIB));
+        assert_eq!(checks.released_at_sleep(), Some(70 * GIB));
+        let err = checks.before_wake().await.unwrap_err();
+        assert_eq!(
+            err,
+            CheckError::InsufficientFreeMemory {
+                need: 70 * GIB,
+                free: 20 * GIB,
+                after: Duration::from_millis(200)
+            }
+        );
+        // Free memory that dropped during the sleep (another engine allocating) counts as 0.
+        checks.note_sleep(Some(30 * GIB), Some(10 * GIB));
+        assert_eq!(checks.released_at_sleep(), Some(0));
+        checks.note_sleep(None, Some(10 * GIB)); // a failed sample changes nothing
+        assert_eq!(checks.released_at_sleep(), Some(0));
+        checks.note_sleep(Some(5 * GIB), Some(75 * GIB));
+        // Off: no wait at all.
+        let off = GpuChecks::with_device(
+            ChecksConfig {
+                min_free_memory: MinFree::Off,
+                ..cfg.clone()
+            },
+            d.clone(),
+        );
+        assert_eq!(off.before_wake().await.unwrap().free_memory, Some(20 * GIB));
+        // The memory comes back while we wait.
+        let checks = GpuChecks::with_device(
+            ChecksConfig {
+                memory_release_timeout: Duration::from_secs(5),
+                ..cfg
+            },
+            d,
+        );
+        checks.note_sleep(Some(5 * GIB), Some(75 * GIB));
+        let d2 = dev.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            d2.remove_process(100);
+        });
+        let rep = checks.before_wake().await.unwrap();
+        assert_eq!(rep.free_memory, Some(80 * GIB));
+        assert!(rep.waited >= Duration::from_millis(90), "{:?}", rep.waited);
+    }
+
+    #[tokio::test]
+    async fn after_reap_target_includes_the_resolved_fraction() {
+        let (dev, d) = sim(80 * GIB);
+        dev.add_process(100, 60 * GIB); // not the engine's pid: pinned elsewhere
+        let cfg = ChecksConfig {
+            memory_release_timeout: Duration::from_millis(150),
+            poll_interval: Duration::from_millis(10),
+            memory_tolerance: 0,
+            pid_namespace: PidNamespace::Host,
+            min_free_memory: MinFree::Fraction(0.5),
+            ..ChecksConfig::default()
+        };
+        let checks = GpuChecks::with_device(cfg.clone(), d.clone());
+        match checks.after_reap(&[7]).await.unwrap_err() {
+            CheckError::MemoryNotReleased { free, target, .. } => {
+                assert_eq!((free, target), (20 * GIB, 40 * GIB))
+            }
+            other => panic!("{other}"),
+        }
+        let off = GpuChecks::with_device(
+            ChecksConfig {
+                min_free_memory: MinFree::Off,
+                ..cfg
+            },
+            d,
+        );
+        off.after_reap(&[7]).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn gpu_sim_is_a_dir_device_matched_by_pid() {
+        let dir = tempfile::tempdir().unwrap();
+        let checks = GpuChecks::new(ChecksConfig {
+            gpu: Some(3),
+            gpu_sim: Some(dir.path().to_path_buf()),
+            memory_release_timeout: Duration::from_millis(200),
+            poll_interval: Duration::from_millis(10),
+            ..ChecksConfig::default()
+        });
+        assert!(checks.device_checks_enabled());
+        assert!(
+            checks.pid_mode(),
+            "Auto matches by pid on a simulated device"
+        );
+        assert_eq!(
+            checks.device.as_ref().unwrap().describe(),
+            format!("sim:{}", dir.path().display())
+        );
+        let rep = checks.before_wake().await.unwrap();
+        assert_eq!(rep.free_memory, Some(crate::simdev::DEFAULT_TOTAL));
+        // A live process of this machine (this one) holds memory: after_reap sees it by pid.
+        crate::simdev::register(dir.path(), std::process::id(), GIB).unwrap();
+        match checks.after_reap(&[std::process::id()]).await.unwrap_err() {
+            CheckError::MemoryNotReleased {
+                pids_still_present, ..
+            } => assert_eq!(pids_still_present, vec![std::process::id()]),
+            other => panic!("{other}"),
+        }
+        crate::simdev::unregister(dir.path(), std::process::id()).unwrap();
+        let rep = checks.after_reap(&[std::process::id()]).await.unwrap();
+        assert_eq!(rep.matched_by, MatchMode::Pid);
+        assert_eq!(rep.engine_processes_seen, 0);
     }
 }

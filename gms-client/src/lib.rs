@@ -6,7 +6,8 @@
 //! * `gmsd` (binary, [`server`]): a GMS server with `host` (memfd) and `cuda` backends;
 //! * [`client`]: an async tokio client; [`backend`]: memory import (host mmap, CUDA VMM);
 //! * [`verify`]: the checks behind `gmsctl verify`;
-//! * [`checks`]: the GPU checks the supervisor runs around wake and reap.
+//! * [`checks`]: the GPU checks the supervisor runs around wake and reap;
+//! * [`simdev`]: a simulated device shared across processes (a directory; `--gpu-sim`).
 //!
 //! CUDA and NVML are only ever called after a presence check (see README).
 
@@ -18,5 +19,6 @@ pub mod load;
 pub mod lock;
 pub mod protocol;
 pub mod server;
+pub mod simdev;
 pub mod verify;
 pub mod wire;

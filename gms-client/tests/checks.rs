@@ -272,7 +272,7 @@ async fn before_wake_waits_bounded_for_min_free_memory() {
     let mut cfg = ChecksConfig {
         memory_release_timeout: Duration::from_millis(300),
         poll_interval: Duration::from_millis(10),
-        min_free_memory: Some(40 * GIB),
+        min_free_memory: MinFree::Bytes(40 * GIB),
         ..ChecksConfig::default()
     };
     let checks = GpuChecks::with_device(cfg.clone(), Some(dev.clone() as Arc<dyn Device>));

@@ -33,6 +33,11 @@ pub struct ClientOptions {
     pub reconnect_timeout: Duration,
     /// Name used in this client's logs.
     pub label: Option<String>,
+    /// An anchor to attach to every connection of this session, first thing after connecting
+    /// and again after every reconnect, before any reclaim (`unix:` endpoints only; see
+    /// [`Request::Anchor`] and [`anchor_pair`]). Its peer end is what the holder's processes
+    /// inherit: lockd keeps the session's leases until that end is closed everywhere.
+    pub anchor: Option<Arc<OwnedFd>>,
 }
 
 impl Default for ClientOptions {
@@ -41,6 +46,7 @@ impl Default for ClientOptions {
             connect_timeout: Duration::from_secs(2),
             reconnect_timeout: Duration::from_secs(15),
             label: None,
+            anchor: None,
         }
     }
 }
@@ -130,6 +136,78 @@ pub enum ClientError {
     /// The client was closed (or its task ended).
     #[error("the lock client is closed")]
     Closed,
+    /// An anchor was given for an endpoint that cannot carry file descriptors.
+    #[error("anchors need a unix: endpoint (got {0})")]
+    AnchorTransport(String),
+}
+
+/// A new anchor pair `(keep, inherit)`: two connected Unix stream sockets, both close-on-exec.
+/// Pass `keep` as [`ClientOptions::anchor`]; give `inherit` (with FD_CLOEXEC cleared) to every
+/// process whose death must end the lease, and close it in the holder itself.
+pub fn anchor_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+    socketpair(
+        AddressFamily::Unix,
+        SockType::Stream,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .map_err(std::io::Error::from)
+}
+
+/// Whether `fd` polls readable right now (for a pidfd: its process has exited).
+fn poll_readable(fd: RawFd) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    // SAFETY: `fd` is owned by an OwnedFd the caller holds for the duration of this call.
+    let bfd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    let mut fds = [PollFd::new(bfd, PollFlags::POLLIN)];
+    matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0)
+}
+
+/// Write `line` on `s` with `fd` attached (SCM_RIGHTS) to its first byte.
+async fn send_with_fd(s: &UnixStream, line: &[u8], fd: RawFd) -> std::io::Result<()> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    let fds = [fd];
+    let cmsg = [ControlMessage::ScmRights(&fds)];
+    let sent = loop {
+        s.writable().await?;
+        let iov = [std::io::IoSlice::new(line)];
+        match s.try_io(tokio::io::Interest::WRITABLE, || {
+            sendmsg::<()>(s.as_raw_fd(), &iov, &cmsg, MsgFlags::MSG_NOSIGNAL, None)
+                .map_err(std::io::Error::from)
+        }) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    // The descriptor went with the first byte; the rest (if any) is plain data.
+    let mut rest = &line[sent..];
+    while !rest.is_empty() {
+        s.writable().await?;
+        match s.try_write(rest) {
+            Ok(n) => rest = &rest[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+impl Stream {
+    /// Attach `anchor` to this connection: the `anchor` request with the descriptor.
+    async fn send_anchor(&mut self, anchor: &OwnedFd) -> std::io::Result<()> {
+        match self {
+            Stream::Unix(s) => {
+                let line = proto::encode_request(&Request::Anchor);
+                send_with_fd(s, line.as_bytes(), anchor.as_raw_fd()).await
+            }
+            Stream::Tcp(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "anchors need a unix: endpoint",
+            )),
+        }
+    }
 }
 
 /// The connection, whichever transport it uses.
@@ -205,6 +283,13 @@ enum Cmd {
         /// Acknowledged once written (or applied locally while disconnected).
         ack: oneshot::Sender<()>,
     },
+    /// Attach one more anchor (see [`LockClient::add_process_anchor`]).
+    Anchor {
+        /// The pidfd.
+        fd: Arc<OwnedFd>,
+        /// Acknowledged once written (or stored for the next connection).
+        ack: oneshot::Sender<()>,
+    },
     /// Close for good.
     Close {
         /// Acknowledged once the connection is closed.
@@ -222,6 +307,8 @@ pub struct LockClient {
     fd: Arc<Mutex<Option<RawFd>>>,
     /// The background task.
     task: tokio::task::JoinHandle<()>,
+    /// The endpoint, for errors (anchors need `unix:`).
+    endpoint: Endpoint,
 }
 
 fn check(what: &str, s: &str) -> Result<(), ClientError> {
@@ -240,15 +327,23 @@ impl LockClient {
         endpoint: &Endpoint,
         opts: ClientOptions,
     ) -> Result<LockClient, ClientError> {
+        if opts.anchor.is_some() && !matches!(endpoint, Endpoint::Unix(_)) {
+            return Err(ClientError::AnchorTransport(endpoint.to_string()));
+        }
         let mut stream = connect_once(endpoint, opts.connect_timeout).await?;
+        let conn_err = |source| ClientError::Connect {
+            endpoint: endpoint.to_string(),
+            source,
+        };
+        // The anchor first, so that nothing this session is granted is ever without it.
+        if let Some(a) = &opts.anchor {
+            stream.send_anchor(a).await.map_err(conn_err)?;
+        }
         // A request right away, so that lockd's idle timeout never closes a quiet owner.
         stream
             .write_all(proto::encode_request(&Request::Ping).as_bytes())
             .await
-            .map_err(|source| ClientError::Connect {
-                endpoint: endpoint.to_string(),
-                source,
-            })?;
+            .map_err(conn_err)?;
         let fd = Arc::new(Mutex::new(Some(stream.raw_fd())));
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let (ev_tx, ev_rx) = mpsc::unbounded_channel();
@@ -262,6 +357,7 @@ impl LockClient {
             waiting: BTreeMap::new(),
             lost_deadline: None,
             close_ack: None,
+            process_anchors: Vec::new(),
         };
         let handle = tokio::spawn(task.run(stream, cmd_rx));
         Ok(LockClient {
@@ -269,6 +365,7 @@ impl LockClient {
             events: ev_rx,
             fd,
             task: handle,
+            endpoint: endpoint.clone(),
         })
     }
 
@@ -310,6 +407,25 @@ impl LockClient {
                 resource: resource.into(),
                 holder: holder.into(),
                 wait,
+                ack,
+            })
+            .map_err(|_| ClientError::Closed)?;
+        rx.await.map_err(|_| ClientError::Closed)
+    }
+
+    /// Attach a *process anchor*: a pidfd of a process whose death must come before this
+    /// session's leases may end (lockd then keeps them, even after this connection closes,
+    /// until that process has exited and released its files). Re-attached by the client after
+    /// every reconnect, before any reclaim, as long as the process lives. `unix:` endpoints
+    /// only ([`ClientError::AnchorTransport`] otherwise).
+    pub async fn add_process_anchor(&mut self, pidfd: OwnedFd) -> Result<(), ClientError> {
+        if !matches!(self.endpoint, Endpoint::Unix(_)) {
+            return Err(ClientError::AnchorTransport(self.endpoint.to_string()));
+        }
+        let (ack, rx) = oneshot::channel();
+        self.cmds
+            .send(Cmd::Anchor {
+                fd: Arc::new(pidfd),
                 ack,
             })
             .map_err(|_| ClientError::Closed)?;
@@ -376,6 +492,9 @@ struct Task {
     lost_deadline: Option<Instant>,
     /// Set by `close()`: answered once the connection is closed.
     close_ack: Option<oneshot::Sender<()>>,
+    /// Process anchors (pidfds) added with `add_process_anchor`, re-attached after every
+    /// reconnect (those whose process has exited are dropped first).
+    process_anchors: Vec<Arc<OwnedFd>>,
 }
 
 /// How a connected phase ended.
@@ -490,6 +609,31 @@ impl Task {
             };
             match res {
                 Some(Ok(mut s)) => {
+                    // The anchors before the reclaims: a reclaimed lease is anchored at once.
+                    // Process anchors whose process has exited have nothing left to hold.
+                    self.process_anchors
+                        .retain(|a| !poll_readable(a.as_raw_fd()));
+                    let anchors: Vec<Arc<OwnedFd>> = self
+                        .opts
+                        .anchor
+                        .iter()
+                        .chain(self.process_anchors.iter())
+                        .cloned()
+                        .collect();
+                    let mut sent = Ok(());
+                    for a in &anchors {
+                        sent = s.send_anchor(a).await;
+                        if sent.is_err() {
+                            break;
+                        }
+                    }
+                    if let Err(e) = sent {
+                        debug!(client = %self.label, error = %e, "cannot attach the anchors; retrying");
+                        drop(s);
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_millis(250));
+                        continue;
+                    }
                     self.set_fd(Some(s.raw_fd()));
                     info!(client = %self.label, endpoint = %self.endpoint, "reconnected to lockd");
                     self.emit(LockEvent::Reconnected);
@@ -558,6 +702,12 @@ impl Task {
                 let _ = ack.send(());
                 true
             }
+            Some(Cmd::Anchor { fd, ack }) => {
+                // Attached with the others on the next connection.
+                self.process_anchors.push(fd);
+                let _ = ack.send(());
+                true
+            }
         }
     }
 
@@ -604,6 +754,15 @@ impl Task {
                             }
                             let _ = ack.send(());
                             proto::encode_request(&Request::Release { resource })
+                        }
+                        Some(Cmd::Anchor { fd, ack }) => {
+                            let r = s.send_anchor(&fd).await;
+                            self.process_anchors.push(fd);
+                            let _ = ack.send(());
+                            if let Err(e) = r {
+                                return Flow::Broken(format!("write failed: {e}"));
+                            }
+                            continue;
                         }
                     };
                     if let Err(e) = s.write_all(line.as_bytes()).await {
@@ -704,6 +863,9 @@ impl Task {
                     }
                 }
                 self.emit(LockEvent::Error { code, message });
+            }
+            Event::Anchored { anchors } => {
+                debug!(client = %self.label, anchors, "anchor attached");
             }
             Event::Hello { .. }
             | Event::Released { .. }

@@ -59,9 +59,17 @@ pub enum Input {
         /// The request.
         req: Request,
     },
-    /// The connection closed (EOF, error, or closed by lockd).
+    /// The connection closed (EOF, error, or closed by lockd). A session with open anchors
+    /// lives on without its connection (its leases stay held, its queued acquires are
+    /// withdrawn) until its last anchor closes.
     Disconnect {
-        /// The session that ended.
+        /// The session whose connection closed.
+        session: SessionId,
+    },
+    /// One of the session's anchors (see [`Request::Anchor`]) reached end-of-file: every
+    /// process holding its other end has closed it (or died).
+    AnchorClosed {
+        /// The session the anchor was attached to.
         session: SessionId,
     },
     /// Time passed (the driver calls this at [`Core::next_deadline`]).
@@ -216,6 +224,10 @@ struct Session {
     waits: BTreeSet<String>,
     /// Receives notices.
     watching: bool,
+    /// Its connection is open (false: kept alive by anchors only).
+    connected: bool,
+    /// Open anchors.
+    anchors: u32,
 }
 
 /// The state machine.
@@ -339,6 +351,8 @@ impl Core {
                         holds: BTreeSet::new(),
                         waits: BTreeSet::new(),
                         watching: false,
+                        connected: true,
+                        anchors: 0,
                     },
                 );
                 self.send(
@@ -351,11 +365,12 @@ impl Core {
                 );
             }
             Input::Request { session, req } => {
-                if self.sessions.contains_key(&session) {
+                if self.sessions.get(&session).is_some_and(|s| s.connected) {
                     self.request(now, session, req);
                 }
             }
             Input::Disconnect { session } => self.disconnect(now, session),
+            Input::AnchorClosed { session } => self.anchor_closed(now, session),
             Input::Tick => {}
             Input::Persisted { seq } => {
                 if seq <= self.seq_requested && seq > self.seq_done {
@@ -479,6 +494,8 @@ impl Core {
                 holds: s.holds.iter().cloned().collect(),
                 waits: s.waits.iter().cloned().collect(),
                 watching: s.watching,
+                connected: s.connected,
+                anchors: s.anchors,
             })
             .collect();
         StatusReport {
@@ -489,6 +506,10 @@ impl Core {
     }
 
     fn send(&mut self, session: SessionId, event: Event) {
+        // A session kept alive by its anchors has no connection to write to.
+        if self.sessions.get(&session).is_some_and(|s| !s.connected) {
+            return;
+        }
         self.pending.push(Output::Send { session, event });
     }
 
@@ -554,6 +575,17 @@ impl Core {
                 self.send(s, Event::Watching {});
             }
             Request::Ping => self.send(s, Event::Pong {}),
+            Request::Anchor => {
+                // The driver feeds this only with a valid descriptor attached and watched.
+                let anchors = match self.sessions.get_mut(&s) {
+                    Some(sess) => {
+                        sess.anchors += 1;
+                        sess.anchors
+                    }
+                    None => return,
+                };
+                self.send(s, Event::Anchored { anchors });
+            }
         }
     }
 
@@ -736,6 +768,37 @@ impl Core {
     }
 
     fn disconnect(&mut self, now: Now, s: SessionId) {
+        let Some(sess) = self.sessions.get_mut(&s) else {
+            return;
+        };
+        if sess.anchors > 0 {
+            // Anchored: the holder's processes live on. Keep its leases; withdraw what it
+            // waits for (nobody could be told of a grant) and stop its notices.
+            sess.connected = false;
+            sess.watching = false;
+            let waits = std::mem::take(&mut sess.waits);
+            for r in &waits {
+                if let Some(res) = self.resources.get_mut(r) {
+                    res.waiters.retain(|w| w.session != s);
+                }
+            }
+            return;
+        }
+        self.end_session(now, s);
+    }
+
+    fn anchor_closed(&mut self, now: Now, s: SessionId) {
+        let Some(sess) = self.sessions.get_mut(&s) else {
+            return;
+        };
+        sess.anchors = sess.anchors.saturating_sub(1);
+        if sess.anchors == 0 && !sess.connected {
+            self.end_session(now, s);
+        }
+    }
+
+    /// The session is gone for good: withdraw its acquires, end its leases, grant the next.
+    fn end_session(&mut self, now: Now, s: SessionId) {
         let Some(sess) = self.sessions.remove(&s) else {
             return;
         };
@@ -762,11 +825,10 @@ impl Core {
         };
         let msg = match &res.lease {
             LeaseState::Reclaiming { lease, .. }
-                if lease.epoch == epoch && ct_eq(&lease.token, &token) && !lease.revoked =>
+                if lease.epoch == epoch && ct_eq(&lease.token, &token) =>
             {
                 None
             }
-            LeaseState::Reclaiming { lease, .. } if lease.revoked => Some("the lease was revoked"),
             LeaseState::Reclaiming { .. } => Some("epoch or token does not match"),
             LeaseState::Held(l) if l.session == s => {
                 return self.error(
@@ -787,13 +849,19 @@ impl Core {
         else {
             return;
         };
+        // A lease revoked while it waited in the reconnect window comes back revoked: its
+        // holder (which may still run an engine) learns it right after the grant and must
+        // fence itself; the lease moves only once its session is gone.
+        let revoked = lease
+            .revoked
+            .then(|| "revoked while lockd was restarting".to_string());
         res.lease = LeaseState::Held(Lease {
             session: s,
             holder: lease.name.clone(),
             epoch: lease.epoch,
             token: lease.token.clone(),
             granted_at_unix_ms: lease.granted_at_unix_ms,
-            revoked: None,
+            revoked: revoked.clone(),
         });
         // A session that also queued for it (re-queued before reclaiming) is no waiter now.
         res.waiters.retain(|w| w.session != s);
@@ -813,6 +881,16 @@ impl Core {
                 reclaimed: true,
             },
         );
+        if let Some(reason) = revoked {
+            self.send(
+                s,
+                Event::Revoked {
+                    resource: resource.clone(),
+                    epoch,
+                    reason,
+                },
+            );
+        }
         self.notice(
             Notice {
                 kind: NoticeKind::Granted,
@@ -911,14 +989,17 @@ impl Core {
                 );
             }
             LeaseState::Reclaiming { lease, .. } => {
+                // Nothing is known of the holder but that it may still run: the lease keeps
+                // waiting. Reclaimed, it comes back revoked (the holder fences itself);
+                // unclaimed, it ends with the window. Never granted to another before then.
                 let (holder, epoch, was) = (lease.name.clone(), lease.epoch, lease.revoked);
-                res.lease = LeaseState::Free;
+                lease.revoked = true;
                 if !was {
                     self.counters.revocations += 1;
+                    self.dirty = true;
+                    let n = mk(&holder, epoch, None);
+                    self.notice(n, None);
                 }
-                self.dirty = true;
-                let n = mk(&holder, epoch, None);
-                self.notice(n, None);
                 self.send(
                     s,
                     Event::RevokeSent {
@@ -927,7 +1008,6 @@ impl Core {
                         holder: Some(holder),
                     },
                 );
-                self.grant_next(now, &resource, None);
             }
         }
     }
@@ -1622,7 +1702,7 @@ mod tests {
     }
 
     #[test]
-    fn revoke_of_free_is_not_held_and_of_reclaiming_frees_at_once() {
+    fn revoke_of_free_is_not_held_and_of_reclaiming_waits_for_the_holder() {
         let mut h = H::new();
         h.connect(1, "unix");
         let out = h.req(
@@ -1646,10 +1726,29 @@ mod tests {
                 admin_token: None,
             },
         );
-        assert_eq!(H::granted(&out, 3).unwrap().0, 2);
+        // The holder may still run: nobody else is granted while the window is open.
+        assert_eq!(H::granted(&out, 3), None, "{out:?}");
+        assert!(matches!(
+            H::to(&out, 2)[..],
+            [Event::RevokeSent { epoch: 1, .. }]
+        ));
+        assert_eq!(h.res("e").state, "reclaiming");
+        assert!(h.res("e").revoked);
         assert_eq!(h.core.counters().revocations, 1);
-        let out = h.req(
+        // A second revoke is not counted again.
+        h.req(
             2,
+            Request::Revoke {
+                resource: "e".into(),
+                reason: None,
+                admin_token: None,
+            },
+        );
+        assert_eq!(h.core.counters().revocations, 1);
+        // The holder comes back: it gets its lease, and at once the revocation.
+        h.connect(4, "unix");
+        let out = h.req(
+            4,
             Request::Reclaim {
                 resource: "e".into(),
                 holder: "a".into(),
@@ -1657,24 +1756,49 @@ mod tests {
                 token,
             },
         );
-        assert_eq!(H::err_code(&out, 2).as_deref(), Some("reclaim_refused"));
+        let ev = H::to(&out, 4);
+        assert!(
+            matches!(
+                &ev[..],
+                [
+                    Event::Granted {
+                        epoch: 1,
+                        reclaimed: true,
+                        ..
+                    },
+                    Event::Revoked { epoch: 1, .. }
+                ]
+            ),
+            "{ev:?}"
+        );
+        assert_eq!(H::granted(&out, 3), None);
+        // It fences itself and goes: only now is the waiter granted, with a new epoch.
+        let out = h.step(Input::Disconnect { session: 4 });
+        assert_eq!(H::granted(&out, 3).unwrap().0, 2);
+        let c = h.core.counters();
+        assert_eq!((c.revocations, c.releases, c.expirations), (1, 0, 0));
     }
 
     #[test]
-    fn a_revoked_lease_is_not_reclaimable_after_restart_and_its_expiry_is_not_recounted() {
-        let mut h = H::new();
-        h.connect(1, "unix");
-        let (_, token, _) = H::granted(&h.req(1, acq("e", "a", true)), 1).unwrap();
-        h.req(
-            1,
-            Request::Revoke {
-                resource: "e".into(),
-                reason: None,
-                admin_token: None,
-            },
-        );
-        let st = h.persisted.clone().unwrap();
-        assert!(st.resources["e"].holder.as_ref().unwrap().revoked);
+    fn a_revoked_lease_comes_back_revoked_after_restart_or_ends_with_the_window() {
+        let revoked_state = || {
+            let mut h = H::new();
+            h.connect(1, "unix");
+            let (_, token, _) = H::granted(&h.req(1, acq("e", "a", true)), 1).unwrap();
+            h.req(
+                1,
+                Request::Revoke {
+                    resource: "e".into(),
+                    reason: None,
+                    admin_token: None,
+                },
+            );
+            let st = h.persisted.clone().unwrap();
+            assert!(st.resources["e"].holder.as_ref().unwrap().revoked);
+            (st, token)
+        };
+        // Reclaimed: granted and revoked at once.
+        let (st, token) = revoked_state();
         let mut h = H::with_state(st, None);
         h.connect(2, "unix");
         let out = h.req(
@@ -1686,11 +1810,159 @@ mod tests {
                 token,
             },
         );
-        assert_eq!(H::err_code(&out, 2).as_deref(), Some("reclaim_refused"));
+        assert!(matches!(
+            &H::to(&out, 2)[..],
+            [
+                Event::Granted {
+                    reclaimed: true,
+                    ..
+                },
+                Event::Revoked { .. }
+            ]
+        ));
+        assert!(h.res("e").revoked);
+        // Not reclaimed: it ends with the window, and its expiry is not counted again.
+        let (st, _) = revoked_state();
+        let mut h = H::with_state(st, None);
         h.ms = W;
         h.step(Input::Tick);
+        assert_eq!(h.res("e").state, "free");
         let c = h.core.counters();
         assert_eq!((c.revocations, c.expirations), (1, 0));
+    }
+
+    fn session(h: &H, id: SessionId) -> Option<SessionReport> {
+        h.core
+            .status(h.now())
+            .sessions
+            .into_iter()
+            .find(|x| x.id == id)
+    }
+
+    #[test]
+    fn an_anchored_lease_outlives_its_connection_until_the_anchor_closes() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        assert_eq!(
+            H::to(&h.req(1, Request::Anchor), 1),
+            vec![Event::Anchored { anchors: 1 }]
+        );
+        h.req(1, acq("e", "a", true));
+        h.connect(2, "unix");
+        h.req(2, acq("e", "b", true));
+        // The holder's supervisor dies: its engine's processes still hold the anchor.
+        let out = h.step(Input::Disconnect { session: 1 });
+        assert_eq!(H::granted(&out, 2), None, "{out:?}");
+        assert_eq!(h.res("e").state, "held");
+        let s1 = session(&h, 1).unwrap();
+        assert!(!s1.connected);
+        assert_eq!(s1.anchors, 1);
+        assert_eq!(s1.holds, vec!["e".to_string()]);
+        // The last process holding the anchor dies.
+        let out = h.step(Input::AnchorClosed { session: 1 });
+        assert_eq!(H::granted(&out, 2).unwrap().0, 2);
+        assert!(session(&h, 1).is_none());
+        assert_eq!(h.core.counters().releases, 1);
+        // The handoff is measured from the anchor's close.
+        assert!(out.iter().any(|o| matches!(o, Output::Notice { handoff_from: Some(_), notice } if notice.kind == NoticeKind::Granted)));
+    }
+
+    #[test]
+    fn every_anchor_must_close_and_a_closed_anchor_alone_ends_nothing() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        h.req(1, Request::Anchor);
+        assert_eq!(
+            H::to(&h.req(1, Request::Anchor), 1),
+            vec![Event::Anchored { anchors: 2 }]
+        );
+        h.req(1, acq("e", "a", true));
+        h.connect(2, "unix");
+        h.req(2, acq("e", "b", true));
+        // An anchor closing while the connection is open changes nothing.
+        let out = h.step(Input::AnchorClosed { session: 1 });
+        assert_eq!(H::granted(&out, 2), None);
+        assert_eq!(session(&h, 1).unwrap().anchors, 1);
+        h.step(Input::Disconnect { session: 1 });
+        assert_eq!(h.res("e").state, "held");
+        let out = h.step(Input::AnchorClosed { session: 1 });
+        assert_eq!(H::granted(&out, 2).unwrap().0, 2);
+        // Without anchors a disconnect releases at once (the connection is the lock).
+        h.connect(3, "unix");
+        h.req(3, acq("e", "c", true));
+        let out = h.step(Input::Disconnect { session: 2 });
+        assert_eq!(H::granted(&out, 3).unwrap().0, 3);
+        // A stray AnchorClosed for an unknown session is ignored.
+        assert!(h.step(Input::AnchorClosed { session: 99 }).is_empty());
+    }
+
+    #[test]
+    fn a_disconnected_anchored_session_withdraws_its_waits_and_hears_nothing() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        h.req(1, Request::Anchor);
+        h.req(1, acq("e", "a", true));
+        h.connect(2, "unix");
+        h.req(2, acq("f", "b", true));
+        h.req(1, acq("f", "a", true));
+        h.req(1, Request::Watch);
+        h.step(Input::Disconnect { session: 1 });
+        assert!(session(&h, 1).unwrap().waits.is_empty());
+        assert!(h.res("f").waiters.is_empty());
+        // A revoke of its lease is sent nowhere, and the lease stays until the anchor closes.
+        h.connect(3, "unix");
+        let out = h.req(
+            3,
+            Request::Revoke {
+                resource: "e".into(),
+                reason: Some("ops".into()),
+                admin_token: None,
+            },
+        );
+        assert!(H::to(&out, 1).is_empty(), "{out:?}");
+        assert!(matches!(H::to(&out, 3)[..], [Event::RevokeSent { .. }]));
+        // Releasing f frees it: session 1 does not get it.
+        let out = h.req(
+            2,
+            Request::Release {
+                resource: "f".into(),
+            },
+        );
+        assert!(H::to(&out, 1).is_empty());
+        assert_eq!(h.res("f").state, "free");
+        // Requests "from" it are ignored (no connection can carry them).
+        assert!(h.req(1, Request::Ping).is_empty());
+        h.req(3, acq("e", "c", true));
+        let out = h.step(Input::AnchorClosed { session: 1 });
+        assert_eq!(H::granted(&out, 3).unwrap().0, 2);
+        let c = h.core.counters();
+        assert_eq!((c.revocations, c.releases), (1, 1));
+    }
+
+    #[test]
+    fn a_reclaim_on_an_anchored_connection_is_anchored() {
+        let (mut h, token) = restarted();
+        h.connect(2, "unix");
+        h.req(2, Request::Anchor);
+        let out = h.req(
+            2,
+            Request::Reclaim {
+                resource: "e".into(),
+                holder: "a".into(),
+                epoch: 1,
+                token,
+            },
+        );
+        assert_eq!(
+            H::granted(&out, 2),
+            Some((1, H::granted(&out, 2).unwrap().1, true))
+        );
+        h.connect(3, "unix");
+        h.req(3, acq("e", "b", true));
+        let out = h.step(Input::Disconnect { session: 2 });
+        assert_eq!(H::granted(&out, 3), None);
+        let out = h.step(Input::AnchorClosed { session: 2 });
+        assert_eq!(H::granted(&out, 3).unwrap().0, 2);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `lockd`: the lock daemon (`serve`) and its command-line clients.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -428,10 +428,27 @@ async fn hold(a: HoldArgs) -> ExitCode {
 }
 
 async fn hold_inner(a: HoldArgs) -> std::result::Result<u8, Fail> {
+    // Over a Unix socket, CMD's processes also inherit an anchor: after a lockd restart the
+    // reclaimed lease then stays held until CMD and everything it started are gone, even if
+    // `lockd hold` itself is killed (the new connection is held by `hold` alone).
+    let (anchor_keep, anchor_inherit) = match &a.connect {
+        lockd::Endpoint::Unix(_) => {
+            let (k, i) = lockd::client::anchor_pair()
+                .map_err(|e| Fail(EXIT_ERROR, anyhow!("anchor socket pair: {e}")))?;
+            // The inherited end must survive exec: a duplicate without FD_CLOEXEC.
+            let raw = nix::fcntl::fcntl(i.as_raw_fd(), nix::fcntl::FcntlArg::F_DUPFD(3))
+                .map_err(|e| Fail(EXIT_ERROR, anyhow!("anchor dup: {e}")))?;
+            // SAFETY: F_DUPFD just returned this descriptor; nobody else owns it.
+            let inherit = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+            (Some(std::sync::Arc::new(k)), Some(inherit))
+        }
+        lockd::Endpoint::Tcp(_) => (None, None),
+    };
     let opts = ClientOptions {
         connect_timeout: a.connect_timeout,
         reconnect_timeout: a.reconnect_timeout,
         label: Some(format!("hold:{}", a.holder)),
+        anchor: anchor_keep,
     };
     // Resolve CMD in PATH now, not on the handoff's critical path after the grant.
     let program = resolve_in_path(&a.cmd[0]);
@@ -469,6 +486,9 @@ async fn hold_inner(a: HoldArgs) -> std::result::Result<u8, Fail> {
         .env("LOCKD_EPOCH", epoch.to_string())
         .env("LOCKD_RESOURCE", &a.resource)
         .env("LOCKD_FD", fd.as_raw_fd().to_string());
+    if let Some(i) = &anchor_inherit {
+        cmd.env("LOCKD_ANCHOR_FD", i.as_raw_fd().to_string());
+    }
     let mut child = match cmd.spawn() {
         Ok(ch) => ch,
         Err(e) => {
@@ -481,6 +501,7 @@ async fn hold_inner(a: HoldArgs) -> std::result::Result<u8, Fail> {
         }
     };
     drop(fd);
+    drop(anchor_inherit);
     let pid = child.id().map(|p| p as i32);
     let term_child = |why: &str| {
         eprintln!("lockd hold: {why}; sending SIGTERM to {}", a.cmd[0]);

@@ -60,6 +60,13 @@ pub enum Request {
     Watch,
     /// Liveness check; answered with `pong`.
     Ping,
+    /// Attach an *anchor* to this session (Unix sockets only): the request line must carry
+    /// exactly one file descriptor (SCM_RIGHTS), one end of a stream socket pair whose other
+    /// end the holder's processes inherit. The session, and every lease it holds, lives
+    /// until its connection AND all its anchors are closed: a lease is not released while
+    /// any process holding the other end lives, even after the connection is gone.
+    /// Answered with `anchored`.
+    Anchor,
 }
 
 fn default_true() -> bool {
@@ -68,7 +75,7 @@ fn default_true() -> bool {
 
 /// The `op` names this protocol version knows.
 pub const KNOWN_OPS: &[&str] = &[
-    "acquire", "reclaim", "release", "revoke", "status", "watch", "ping",
+    "acquire", "reclaim", "release", "revoke", "status", "watch", "ping", "anchor",
 ];
 
 /// Why a line could not be turned into a [`Request`].
@@ -169,7 +176,7 @@ fn validate(req: &Request) -> Result<(), DecodeError> {
         Request::Release { resource } | Request::Revoke { resource, .. } => {
             check_name("resource", resource)
         }
-        Request::Status | Request::Watch | Request::Ping => Ok(()),
+        Request::Status | Request::Watch | Request::Ping | Request::Anchor => Ok(()),
     }
 }
 
@@ -210,6 +217,9 @@ pub enum ErrorCode {
     IdleTimeout,
     /// lockd is stopping.
     ShuttingDown,
+    /// anchor: no file descriptor came with the request, the transport cannot carry one
+    /// (TCP), or the descriptor is not a stream socket.
+    AnchorRefused,
 }
 
 impl ErrorCode {
@@ -229,6 +239,7 @@ impl ErrorCode {
             ErrorCode::RateLimited => "rate_limited",
             ErrorCode::IdleTimeout => "idle_timeout",
             ErrorCode::ShuttingDown => "shutting_down",
+            ErrorCode::AnchorRefused => "anchor_refused",
         }
     }
 }
@@ -303,6 +314,12 @@ pub struct SessionReport {
     pub waits: Vec<String>,
     /// Whether the session receives notices.
     pub watching: bool,
+    /// Whether its connection is still open (false: kept alive by its anchors only).
+    #[serde(default = "default_true")]
+    pub connected: bool,
+    /// Anchors attached and still open.
+    #[serde(default)]
+    pub anchors: u32,
 }
 
 /// One resource as shown in status (fields required by interfaces.md first).
@@ -441,6 +458,11 @@ pub enum Event {
     Notice(Notice),
     /// Answer to ping.
     Pong {},
+    /// Answer to anchor: the session now has `anchors` open anchors.
+    Anchored {
+        /// Open anchors of this session, the new one included.
+        anchors: u32,
+    },
     /// Something went wrong with a request (or the connection is about to be closed).
     Error {
         /// Stable code, see [`ErrorCode`].

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, Notify};
 use tracing::{debug, error, info, warn};
@@ -420,6 +420,161 @@ impl SharedWrite for tokio::net::tcp::OwnedWriteHalf {
     }
 }
 
+/// The read half of a connection: bytes, and (Unix sockets) file descriptors passed with them.
+trait ConnRead: 'static {
+    /// Read bytes into `buf`; descriptors that came with them (SCM_RIGHTS) go to `fds`.
+    fn read_fds<'a>(
+        &'a mut self,
+        buf: &'a mut [u8],
+        fds: &'a mut Vec<std::os::fd::OwnedFd>,
+    ) -> impl Future<Output = std::io::Result<usize>> + 'a;
+    /// Whether this transport can carry descriptors (anchors).
+    const CARRIES_FDS: bool;
+}
+
+impl ConnRead for tokio::net::tcp::OwnedReadHalf {
+    fn read_fds<'a>(
+        &'a mut self,
+        buf: &'a mut [u8],
+        _fds: &'a mut Vec<std::os::fd::OwnedFd>,
+    ) -> impl Future<Output = std::io::Result<usize>> + 'a {
+        self.read(buf)
+    }
+    const CARRIES_FDS: bool = false;
+}
+
+/// Most descriptors one read may bring (more are closed by the kernel: MSG_CTRUNC).
+const MAX_FDS_PER_READ: usize = 4;
+
+impl ConnRead for tokio::net::unix::OwnedReadHalf {
+    async fn read_fds(
+        &mut self,
+        buf: &mut [u8],
+        fds: &mut Vec<std::os::fd::OwnedFd>,
+    ) -> std::io::Result<usize> {
+        use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+        let s: &tokio::net::UnixStream = self.as_ref();
+        loop {
+            s.readable().await?;
+            let r = s.try_io(tokio::io::Interest::READABLE, || {
+                let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS_PER_READ]);
+                let mut iov = [std::io::IoSliceMut::new(&mut *buf)];
+                let msg = recvmsg::<()>(
+                    s.as_raw_fd(),
+                    &mut iov,
+                    Some(&mut cmsg),
+                    MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT,
+                )
+                .map_err(std::io::Error::from)?;
+                if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+                    warn!("more descriptors than one read takes; the excess was dropped");
+                }
+                if let Ok(cmsgs) = msg.cmsgs() {
+                    for c in cmsgs {
+                        if let ControlMessageOwned::ScmRights(v) = c {
+                            // SAFETY: the kernel just installed these descriptors in this
+                            // process for us; nobody else owns them.
+                            fds.extend(v.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+                        }
+                    }
+                }
+                Ok(msg.bytes)
+            });
+            match r {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                r => return r,
+            }
+        }
+    }
+    const CARRIES_FDS: bool = true;
+}
+
+/// Descriptors received on one connection and not yet claimed by an `anchor` request.
+const MAX_PENDING_FDS: usize = 4;
+
+/// What an anchor descriptor is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AnchorKind {
+    /// One end of a stream socket pair: closed at end-of-file, when every process holding the
+    /// other end has closed it or died.
+    Socket,
+    /// A pidfd: closed when that process has exited. The kernel reports it only after the
+    /// process released its files (GPU device files included), so no window is left.
+    Process,
+}
+
+/// Check that `fd` can be an anchor: a stream (or seqpacket) socket, or a pidfd.
+fn check_anchor(fd: &std::os::fd::OwnedFd) -> Result<AnchorKind, String> {
+    use nix::sys::socket::{getsockopt, sockopt, SockType};
+    use std::os::fd::AsRawFd;
+    match getsockopt(fd, sockopt::SockType) {
+        Ok(SockType::Stream) | Ok(SockType::SeqPacket) => Ok(AnchorKind::Socket),
+        Ok(t) => Err(format!(
+            "the descriptor is a {t:?} socket, not a stream socket"
+        )),
+        Err(e) => {
+            let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+                .map(|p| p.display().to_string())
+                .unwrap_or_default();
+            if link == "anon_inode:[pidfd]" {
+                Ok(AnchorKind::Process)
+            } else {
+                Err(format!("the descriptor is not a socket ({e}) nor a pidfd"))
+            }
+        }
+    }
+}
+
+/// Watch an anchor until it closes (see [`AnchorKind`]), then tell the core. Data written into
+/// a socket anchor is read and dropped.
+async fn watch_anchor(d: Shared, session: SessionId, kind: AnchorKind, fd: std::os::fd::OwnedFd) {
+    use nix::sys::socket::{recv, MsgFlags};
+    use std::os::fd::AsRawFd;
+    // SAFETY: `fd` is an OwnedFd moved into the AsyncFd, which owns it until dropped.
+    let afd = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+    };
+    let why = match afd {
+        Err(e) => format!("cannot watch it: {e}"),
+        Ok(afd) => {
+            let mut sink = [0u8; 512];
+            loop {
+                let mut guard = match afd.readable().await {
+                    Ok(g) => g,
+                    Err(e) => break format!("watch failed: {e}"),
+                };
+                if kind == AnchorKind::Process {
+                    // Readable = exited (the readiness may be spurious: ask poll).
+                    if poll_in(afd.get_ref().as_raw_fd()) {
+                        break "process exited".to_string();
+                    }
+                    guard.clear_ready();
+                    continue;
+                }
+                match recv(afd.get_ref().as_raw_fd(), &mut sink, MsgFlags::MSG_DONTWAIT) {
+                    Ok(0) => break "eof".to_string(),
+                    Ok(_) => continue,
+                    Err(nix::errno::Errno::EAGAIN) => guard.clear_ready(),
+                    Err(nix::errno::Errno::EINTR) => continue,
+                    Err(e) => break format!("read failed: {e}"),
+                }
+            }
+        }
+    };
+    info!(session, kind = ?kind, reason = %why, "anchor closed");
+    d.borrow_mut().feed(Input::AnchorClosed { session });
+}
+
+/// Whether `fd` polls readable right now.
+fn poll_in(fd: std::os::fd::RawFd) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    // SAFETY: `fd` is open for the duration of this call (owned by the caller's AsyncFd).
+    let bfd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    let mut fds = [PollFd::new(bfd, PollFlags::POLLIN)];
+    matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0)
+}
+
 /// Write all of `buf` to a shared write half.
 async fn write_all_shared<W: SharedWrite>(w: &W, buf: &[u8]) -> std::io::Result<()> {
     let mut off = 0;
@@ -759,7 +914,7 @@ impl Bucket {
 
 async fn conn<R, W>(d: Shared, lim: Rc<ServeConfig>, id: SessionId, peer: PeerInfo, mut r: R, w: W)
 where
-    R: AsyncRead + Unpin,
+    R: ConnRead,
     W: SharedWrite,
 {
     let (tx, mut rx) = mpsc::channel::<String>(lim.outbound_queue.max(1));
@@ -784,6 +939,7 @@ where
     }
     let mut lb = LineBuf::new(lim.max_line);
     let mut buf = vec![0u8; 16 * 1024];
+    let mut fds: Vec<std::os::fd::OwnedFd> = Vec::new();
     let mut got_request = false;
     let idle = tokio::time::sleep(lim.idle_timeout);
     tokio::pin!(idle);
@@ -819,12 +975,16 @@ where
                 }
                 None => break "closed by lockd (slow consumer)".into(),
             },
-            n = r.read(&mut buf) => {
+            n = r.read_fds(&mut buf, &mut fds) => {
                 let n = match n {
                     Ok(0) => break "eof".into(),
                     Ok(n) => n,
                     Err(e) => break format!("read failed: {e}"),
                 };
+                if fds.len() > MAX_PENDING_FDS {
+                    warn!(session = id, received = fds.len(), "descriptors without anchor requests; dropping the excess");
+                    fds.truncate(MAX_PENDING_FDS);
+                }
                 lb.push(&buf[..n]);
                 d.borrow_mut().busy_poll_after_request();
                 while let Some(item) = lb.next_line() {
@@ -852,6 +1012,31 @@ where
                         break 'outer "rate limited".into();
                     }
                     match proto::decode_request(&line, lim.max_line) {
+                        Ok(proto::Request::Anchor) => {
+                            let fd = if R::CARRIES_FDS {
+                                if fds.is_empty() {
+                                    Err("no file descriptor came with the anchor request (send it with SCM_RIGHTS)".to_string())
+                                } else {
+                                    let fd = fds.remove(0);
+                                    check_anchor(&fd).map(|k| (k, fd))
+                                }
+                            } else {
+                                Err(format!("anchors need a unix socket, not {}", peer_transport(&d, id)))
+                            };
+                            match fd {
+                                Ok((kind, fd)) => {
+                                    info!(session = id, kind = ?kind, "anchor attached");
+                                    tokio::task::spawn_local(watch_anchor(d.clone(), id, kind, fd));
+                                    d.borrow_mut().feed(Input::Request { session: id, req: proto::Request::Anchor });
+                                }
+                                Err(why) => {
+                                    let mut drv = d.borrow_mut();
+                                    drv.metrics.bad_requests += 1;
+                                    warn!(session = id, error = %why, "anchor refused");
+                                    drv.send(id, &Event::error(ErrorCode::AnchorRefused, why, None));
+                                }
+                            }
+                        }
                         Ok(req) => {
                             debug!(session = id, ?req, "request");
                             d.borrow_mut().feed(Input::Request { session: id, req });
@@ -884,6 +1069,13 @@ where
             reason,
         });
     }
+}
+
+fn peer_transport(d: &Shared, id: SessionId) -> String {
+    d.borrow()
+        .peers
+        .get(&id)
+        .map_or_else(|| "this transport".into(), |p| p.transport.clone())
 }
 
 async fn serve_metrics(d: Shared, l: TcpListener) {

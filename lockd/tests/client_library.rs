@@ -28,6 +28,7 @@ fn opts(reconnect: Duration) -> ClientOptions {
         connect_timeout: Duration::from_secs(2),
         reconnect_timeout: reconnect,
         label: None,
+        anchor: None,
     }
 }
 

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
+use gms_client::checks::MinFree;
 
 use crate::adapter::AdapterKind;
 use crate::machine::Role;
@@ -41,6 +42,36 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     };
     n.checked_mul(mult)
         .ok_or_else(|| format!("{s:?} does not fit in 64 bits"))
+}
+
+/// `--min-free-memory`: bytes as [`parse_bytes`] (`40GiB`), a percentage of the device's
+/// total (`50%`, `12.5%`; over 0 and at most 100), or `0`/`off`/`0%` for no wait.
+pub fn parse_min_free(s: &str) -> Result<MinFree, String> {
+    let t = s.trim();
+    if t.eq_ignore_ascii_case("off") {
+        return Ok(MinFree::Off);
+    }
+    if t.eq_ignore_ascii_case("auto") {
+        return Ok(MinFree::Auto);
+    }
+    if let Some(p) = t.strip_suffix('%') {
+        let pct: f64 = p
+            .trim()
+            .parse()
+            .map_err(|_| format!("{s:?} is not a percentage (examples: 50%, 12.5%)"))?;
+        if !pct.is_finite() || !(0.0..=100.0).contains(&pct) {
+            return Err(format!("{s:?}: a percentage must be within 0%..100%"));
+        }
+        return Ok(if pct == 0.0 {
+            MinFree::Off
+        } else {
+            MinFree::Fraction(pct / 100.0)
+        });
+    }
+    match parse_bytes(t).map_err(|e| format!("{e}; or auto, a percentage (50%), or off"))? {
+        0 => Ok(MinFree::Off),
+        n => Ok(MinFree::Bytes(n)),
+    }
 }
 
 /// Log output format.
@@ -164,14 +195,23 @@ pub struct RunArgs {
     #[arg(long, env = "SUPERVISOR_GPU")]
     pub gpu: Option<u32>,
 
+    /// testing/drills: a simulated device in DIR instead of NVML (format in
+    /// gms-client/src/simdev.rs); implies the device checks. Wins over `--gpu`.
+    #[arg(long, env = "SUPERVISOR_GPU_SIM")]
+    pub gpu_sim: Option<PathBuf>,
+
     /// Bound of the after-reap memory-release wait (and of the before-wake free-memory wait).
     /// On timeout the lock is released anyway (logged at error, counted; see README.md).
     #[arg(long, env = "SUPERVISOR_MEMORY_RELEASE_TIMEOUT", value_parser = dur, default_value = "30s")]
     pub memory_release_timeout: Duration,
 
-    /// Free device memory the engine needs before it is woken (bytes; `40GiB`, `40G` accepted).
-    #[arg(long, env = "SUPERVISOR_MIN_FREE_MEMORY", value_parser = parse_bytes)]
-    pub min_free_memory: Option<u64>,
+    /// Free device memory the engine needs before it is woken (with `--gpu`/`--gpu-sim`):
+    /// `auto`, bytes (`40GiB`, `40G`), a percentage of the device's total (`50%`), or `0`/`off`.
+    /// Default `auto`: as much as the engine released when it went to sleep (measured on the
+    /// device around the sleep call), which is what waking re-allocates, with or without GMS;
+    /// no wait if it never slept. Also a lower bound of the after-reap target.
+    #[arg(long, env = "SUPERVISOR_MIN_FREE_MEMORY", value_parser = parse_min_free, default_value = "auto")]
+    pub min_free_memory: MinFree,
 
     /// Bound of each GMS interaction (connect included) at Standby and before waking
     /// (Decision 6: a finite read-lock wait; healthy grants take < 1 ms).
@@ -200,9 +240,9 @@ impl RunArgs {
             .unwrap_or_else(|| format!("engine-{}", self.engine_id))
     }
 
-    /// Whether any GPU/GMS check was asked for (`--gms` or `--gpu`).
+    /// Whether any GPU/GMS check was asked for (`--gms`, `--gpu` or `--gpu-sim`).
     pub fn gpu_checks_requested(&self) -> bool {
-        self.gms.is_some() || self.gpu.is_some()
+        self.gms.is_some() || self.gpu.is_some() || self.gpu_sim.is_some()
     }
 
     /// The `gms_client::checks` configuration for these flags.
@@ -210,6 +250,7 @@ impl RunArgs {
         gms_client::checks::ChecksConfig {
             gms_socket: self.gms.clone(),
             gpu: self.gpu,
+            gpu_sim: self.gpu_sim.clone(),
             memory_release_timeout: self.memory_release_timeout,
             min_free_memory: self.min_free_memory,
             handshake_timeout: self.gms_handshake_timeout,
@@ -220,7 +261,29 @@ impl RunArgs {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_bytes;
+    use super::{parse_bytes, parse_min_free};
+    use gms_client::checks::MinFree;
+
+    #[test]
+    fn min_free_memory_forms() {
+        assert_eq!(parse_min_free("50%"), Ok(MinFree::Fraction(0.5)));
+        assert_eq!(parse_min_free(" Auto "), Ok(MinFree::Auto));
+        assert_eq!(parse_min_free(" 12.5 %"), Ok(MinFree::Fraction(0.125)));
+        assert_eq!(parse_min_free("100%"), Ok(MinFree::Fraction(1.0)));
+        assert_eq!(parse_min_free("0%"), Ok(MinFree::Off));
+        assert_eq!(parse_min_free("0"), Ok(MinFree::Off));
+        assert_eq!(parse_min_free("OFF"), Ok(MinFree::Off));
+        assert_eq!(parse_min_free("40GiB"), Ok(MinFree::Bytes(40 << 30)));
+        assert_eq!(
+            parse_min_free("42949672960"),
+            Ok(MinFree::Bytes(42_949_672_960))
+        );
+        assert!(parse_min_free("150%").is_err());
+        assert!(parse_min_free("-1%").is_err());
+        assert!(parse_min_free("NaN%").is_err());
+        assert!(parse_min_free("half").is_err());
+        assert!(parse_min_free("").is_err());
+    }
 
     #[test]
     fn byte_counts() {

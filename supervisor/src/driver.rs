@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -68,14 +68,61 @@ enum Op {
 /// `gms_client::checks::weight_loading_env` defines it: ENGINE_ID, ENGINE_ROLE, GMS_LOCK_TYPE,
 /// DYN_GMS_FAILOVER_PRIMARY_ENGINE_ID), plus the inherited lock fd (informational: the engine
 /// must simply keep it open, which it does by not touching it).
-fn engine_env(args: &RunArgs, lock_fd: i32) -> Vec<(OsString, OsString)> {
+fn engine_env(args: &RunArgs, lock_fd: i32, anchor_fd: Option<i32>) -> Vec<(OsString, OsString)> {
     let mut env: Vec<(OsString, OsString)> = gms_client::checks::weight_loading_env(args.engine_id)
         .into_iter()
         .map(|(k, v)| (k.into(), v.into()))
         .collect();
     env.push(("LOCKD_FD".into(), lock_fd.to_string().into()));
     env.push(("LOCKD_RESOURCE".into(), args.resource.clone().into()));
+    if let Some(fd) = anchor_fd {
+        env.push(("LOCKD_ANCHOR_FD".into(), fd.to_string().into()));
+    }
     env
+}
+
+/// How often the engine's tree is scanned for new processes to pin as lockd process anchors.
+const PIN_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Attach a process anchor to the lock session for every new process of the engine's tree.
+async fn pin_tree(pins: &mut process::TreePins, lock: &mut LockClient, state: &ProbeState) {
+    let new = pins.scan(&[]);
+    if new.is_empty() {
+        return;
+    }
+    let pids: Vec<i32> = new.iter().map(|(p, _)| *p).collect();
+    for (pid, fd) in new {
+        if let Err(e) = lock.add_process_anchor(fd).await {
+            tracing::error!(pid, error = %e, "cannot attach a process anchor");
+        }
+    }
+    state.mark("process_anchors_attached");
+    tracing::info!(pids = ?pids, "engine processes pinned as lock anchors");
+}
+
+/// The anchor pair for this run: `(keep, inherit)`, or None where anchors cannot be used
+/// (a `tcp:` lockd endpoint: file descriptors do not cross TCP; see ARCHITECTURE.md).
+///
+/// lockd holds `keep` (re-attached on every reconnect) and the engine inherits `inherit`: the
+/// lease is then held until every process of the engine's tree that inherited it is dead,
+/// whatever happens to the supervisor or to lockd's connection.
+fn anchor_for(args: &RunArgs) -> Option<(OwnedFd, OwnedFd)> {
+    if !matches!(args.lock, lockd::Endpoint::Unix(_)) {
+        tracing::warn!(lock = %args.lock, "lockd over TCP: no anchor; after a lockd restart the lease is bound to a lock keeper that covers the engine's main process only");
+        return None;
+    }
+    #[cfg(feature = "planted-bug-early-release")]
+    if crate::fault::planted_bug_no_anchor() {
+        tracing::warn!("PLANTED BUG: running without an anchor");
+        return None;
+    }
+    match lockd::client::anchor_pair() {
+        Ok(p) => Some(p),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot create the anchor socket pair; the lease is bound to the lock connection only");
+            None
+        }
+    }
 }
 
 fn bump_restart_counter(args: &RunArgs, state: &ProbeState) {
@@ -99,7 +146,7 @@ fn bump_restart_counter(args: &RunArgs, state: &ProbeState) {
 }
 
 /// Connect to lockd, retrying until `args.lock_wait` has passed (lockd may start after us).
-async fn connect_lock(args: &RunArgs) -> Result<LockClient, String> {
+async fn connect_lock(args: &RunArgs, anchor: Option<Arc<OwnedFd>>) -> Result<LockClient, String> {
     let deadline = Instant::now() + args.lock_wait;
     // `..default()` keeps this compiling if lockd adds options.
     #[allow(clippy::needless_update)]
@@ -107,6 +154,7 @@ async fn connect_lock(args: &RunArgs) -> Result<LockClient, String> {
         connect_timeout: args.lock_connect_timeout,
         reconnect_timeout: args.lock_reconnect_timeout,
         label: Some(args.holder_name()),
+        anchor,
         ..ClientOptions::default()
     };
     let mut attempt = 0u32;
@@ -301,9 +349,16 @@ pub async fn run_with_checks(
         "supervisor starting"
     );
 
-    // 1. The lock connection first, so that the engine can inherit it.
+    // 1. The lock connection first, so that the engine can inherit it, with the anchor
+    //    attached (lockd then holds the lease until every holder of the anchor's peer is gone).
+    let anchor = anchor_for(&args);
+    let (anchor_keep, anchor_inherit) = match anchor {
+        Some((k, i)) => (Some(Arc::new(k)), Some(i)),
+        None => (None, None),
+    };
+    let anchored = anchor_keep.is_some();
     let mut lock = tokio::select! {
-        r = connect_lock(&args) => match r {
+        r = connect_lock(&args, anchor_keep) => match r {
             Ok(c) => c,
             Err(e) => {
                 tracing::error!(error = %e, "giving up: lockd unreachable");
@@ -324,12 +379,15 @@ pub async fn run_with_checks(
     // 2. Spawn the engine with an inheritable dup of the lock connection (on this, the main,
     //    thread: PDEATHSIG is tied to the forking thread).
     let lock_fd = lock.inheritable_fd().map_err(RunError::LockFd)?;
+    let anchor_fd = anchor_inherit.as_ref().map(|f| f.as_raw_fd());
     let spec = EngineSpec {
         argv: args.cmd.clone(),
-        env: engine_env(&args, lock_fd.as_raw_fd()),
+        env: engine_env(&args, lock_fd.as_raw_fd(), anchor_fd),
         pid_namespace: args.pid_namespace,
     };
-    let mut engine = match process::spawn_engine(&spec, &[lock_fd.as_raw_fd()]) {
+    let mut inherit = vec![lock_fd.as_raw_fd()];
+    inherit.extend(anchor_fd);
+    let mut engine = match process::spawn_engine(&spec, &inherit) {
         Ok(e) => e,
         Err(e) => {
             lock.close().await;
@@ -337,6 +395,9 @@ pub async fn run_with_checks(
         }
     };
     drop(lock_fd);
+    // Only the engine's tree may hold the anchor's inherited end: its EOF at lockd is the
+    // proof that the tree is gone.
+    drop(anchor_inherit);
     probe_state.write().engine_pid = Some(engine.pid as u32);
     probe_state.mark("engine_spawned");
     tracing::info!(pid = engine.pid, cmd = ?args.cmd, "engine spawned");
@@ -357,6 +418,14 @@ pub async fn run_with_checks(
     let holder = args.holder_name();
     // Holds the current lock connection after a reconnect (see process::Keeper).
     let mut keeper: Option<process::Keeper> = None;
+    // Process anchors: every process of the engine's tree, pinned by a pidfd that lockd holds
+    // (covers workers that closed the inherited anchor, e.g. Python's `spawn`).
+    let mut pins = process::TreePins::default();
+    let mut pin_tick = tokio::time::interval(PIN_INTERVAL);
+    pin_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    if anchored {
+        pin_tree(&mut pins, &mut lock, &probe_state).await;
+    }
     // Events produced while carrying out actions (e.g. a failed acquire), handled first.
     let mut pending: VecDeque<Event> = VecDeque::new();
     // `GpuChecks::at_standby` running in the background (the before-wake check awaits it).
@@ -384,6 +453,10 @@ pub async fn run_with_checks(
             },
             _ = sigterm.recv() => { tracing::info!("SIGTERM received"); Some(Event::Terminate) }
             _ = sigint.recv() => { tracing::info!("SIGINT received"); Some(Event::Terminate) }
+            _ = pin_tick.tick(), if anchored && !engine_gone => {
+                pin_tree(&mut pins, &mut lock, &probe_state).await;
+                None
+            }
             _ = sigchld.recv() => {
                 for pid in process::reap_orphans(engine.pid) {
                     tracing::info!(pid, "reaped orphaned engine descendant");
@@ -438,7 +511,12 @@ pub async fn run_with_checks(
             }
         };
         let Some(event) = event else { continue };
-        if event == Event::LockReconnected {
+        if event == Event::LockReconnected && anchored {
+            // The client attached the anchor to the new connection before reclaiming: the
+            // reclaimed lease stays bound to every process of the engine's tree.
+            probe_state.mark("lock_anchor_reattached");
+        }
+        if event == Event::LockReconnected && !anchored {
             // The engine holds a duplicate of the old connection only: hand the new one to a
             // keeper that lives until the engine has exited.
             match lock
@@ -508,8 +586,21 @@ pub async fn run_with_checks(
                 Action::Sleep => {
                     let c = engine_client.clone();
                     let t = args.sleep_timeout;
+                    let gpu = checks.clone();
                     tracing::info!("putting engine to sleep");
-                    op = Some((Op::Sleep, tokio::spawn(async move { c.sleep(t).await })));
+                    op = Some((
+                        Op::Sleep,
+                        tokio::spawn(async move {
+                            // What the engine releases by sleeping is what its wake will need
+                            // back (`--min-free-memory auto`): sample the device around it.
+                            let before = gpu.as_ref().and_then(|g| g.free_memory_now());
+                            c.sleep(t).await?;
+                            if let Some(g) = gpu {
+                                g.note_sleep(before, g.free_memory_now());
+                            }
+                            Ok(())
+                        }),
+                    ));
                 }
                 Action::Wake => {
                     let c = engine_client.clone();

@@ -15,5 +15,7 @@ pub mod cli;
 pub mod config;
 pub mod drill;
 pub mod driver;
+#[cfg(feature = "planted-bug-early-release")]
+pub mod fault;
 pub mod machine;
 pub mod process;

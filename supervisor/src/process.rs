@@ -179,7 +179,45 @@ fn spawn_in_new_pid_namespace(cmd: &mut Command) -> io::Result<std::process::Chi
     child
 }
 
-fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+/// Pin every process of the engine's tree with a pidfd, for lockd's process anchors: new
+/// descendants of this process (the supervisor, a child subreaper, so every engine process is
+/// one) since the last call, each pidfd checked to still name a process of the tree.
+#[derive(Debug, Default)]
+pub struct TreePins {
+    /// Pids pinned and still in the tree at the last scan.
+    pinned: HashSet<i32>,
+}
+
+impl TreePins {
+    /// Scan the tree; return pidfds of the processes not seen before (excluding `skip`).
+    pub fn scan(&mut self, skip: &[i32]) -> Vec<(i32, OwnedFd)> {
+        let me = std::process::id() as i32;
+        let tree: HashSet<i32> = tree_pids().into_iter().collect();
+        self.pinned.retain(|p| tree.contains(p));
+        let mut out = Vec::new();
+        for &pid in &tree {
+            if self.pinned.contains(&pid) || skip.contains(&pid) {
+                continue;
+            }
+            let Ok(fd) = pidfd_open(pid) else { continue };
+            // The pidfd pins whatever process has this pid now: make sure it is still ours
+            // (a descendant's pid may have been recycled between the listing and the open).
+            let ours = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| parse_stat(&s))
+                .is_some_and(|p| p.ppid == me || tree.contains(&p.ppid));
+            if ours {
+                self.pinned.insert(pid);
+                out.push((pid, fd));
+            }
+        }
+        out
+    }
+}
+
+/// `pidfd_open(2)`: a descriptor that names `pid` for as long as it is held, readable once the
+/// process has exited.
+pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
     // SAFETY: raw syscall with integer arguments; returns a new fd or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     if fd < 0 {

@@ -457,13 +457,19 @@ impl Sup {
             .collect()
     }
 
-    /// Wait for the pid file to list `n` pids.
+    /// Wait for the pid file to list `n` pids; panics if it does not within `timeout`.
     pub fn wait_engine_pids(&self, n: usize, timeout: Duration) -> Vec<i32> {
         let mut pids = Vec::new();
-        wait_until(timeout, Duration::from_millis(10), || {
+        let found = wait_until(timeout, Duration::from_millis(10), || {
             pids = self.engine_pids();
             pids.len() >= n
         });
+        // Fail loudly: callers assert things over this list, which must not be vacuous.
+        assert!(
+            found,
+            "wanted {n} engine pids within {timeout:?}, found {}: {pids:?}",
+            pids.len()
+        );
         pids
     }
 
@@ -579,9 +585,14 @@ impl Cluster {
             .arg("--pid-file")
             .arg(&pid_file)
             .args(&o.engine_args);
-        // Keep the environment of the test runner from configuring the supervisor.
+        // Keep the environment of the test runner from configuring the supervisor (except
+        // the test-only planted-bug switches, which only a planted build reads).
         for (k, _) in std::env::vars() {
-            if k.starts_with("SUPERVISOR_") || k.starts_with("FAKE_ENGINE_") || k == "ENGINE_ID" {
+            let planted = k.starts_with("SUPERVISOR_PLANTED_BUG_");
+            if (k.starts_with("SUPERVISOR_") && !planted)
+                || k.starts_with("FAKE_ENGINE_")
+                || k == "ENGINE_ID"
+            {
                 cmd.env_remove(k);
             }
         }

@@ -117,6 +117,7 @@ fn drill(bins: &Path, args: &[&str], env: &[(&str, &str)], limit: Duration) -> D
         .arg(&report)
         .env("TMPDIR", &drill_tmp)
         .env_remove("SUPERVISOR_PLANTED_BUG_EARLY_RELEASE")
+        .env_remove("SUPERVISOR_PLANTED_BUG_NO_ANCHOR")
         .env_remove("RUST_LOG")
         .envs(env.iter().copied())
         .stdin(Stdio::null())

@@ -1,9 +1,12 @@
 //! After lockd restarts, the supervisor's new lock connection is not held by the (already
-//! running) engine. A lock keeper (a forked child holding the new connection until the engine
-//! has exited) keeps a supervisor crash from releasing the lock while the engine lives. The
-//! engine here clears its PDEATHSIG (`--survive-supervisor`) so that it outlives the
-//! supervisor: without the keeper, the shadow would be granted at once and its wake would find
-//! the GPU claim held (a recorded split brain).
+//! running) engine. The anchor (a socket pair whose one end lockd holds and whose other end
+//! every process of the engine's tree inherited; the client re-attaches it on the new
+//! connection before reclaiming) keeps a supervisor crash from releasing the lock while ANY
+//! process of the engine's tree lives — the engine itself and its workers, detached or not,
+//! in whatever order they die (issue 15). The engine here clears its PDEATHSIG
+//! (`--survive-supervisor`) and runs detached workers, so that both outlive the supervisor:
+//! without the anchor, the shadow would be granted once the supervisor (or, with the old lock
+//! keeper, the engine's main process) died, and its wake would find the GPU claim held.
 
 use std::time::{Duration, Instant};
 
@@ -12,18 +15,20 @@ use failover_tests::{alive, wait_until, Cluster, SupOpts};
 const T: Duration = Duration::from_secs(20);
 
 #[test]
-fn keeper_holds_the_reconnected_lock_until_the_engine_dies() {
+fn the_anchor_holds_the_reconnected_lock_until_the_whole_tree_is_dead() {
     let mut c = Cluster::new("2s");
     let mut primary = c.start(
         &SupOpts::new(0, "primary")
             .sup(&["--lock-reconnect-timeout", "8s"])
-            .engine(&["--survive-supervisor"]),
+            .engine(&["--survive-supervisor", "--workers", "2", "--detach-workers"]),
     );
     assert!(primary.wait_phase("active", T), "{}", c.dump_logs());
     let shadow = c.start(&SupOpts::new(1, "shadow").sup(&["--lock-reconnect-timeout", "8s"]));
     assert!(shadow.wait_phase("standby", T), "{}", c.dump_logs());
     assert_eq!(primary.completion().unwrap().0, 200);
-    let engine = primary.wait_engine_pids(1, T)[0];
+    let pids = primary.wait_engine_pids(3, T);
+    assert_eq!(pids.len(), 3, "engine + 2 workers: {pids:?}");
+    let (engine, workers) = (pids[0], pids[1..].to_vec());
 
     c.lockd.kill();
     c.lockd.restart();
@@ -37,9 +42,24 @@ fn keeper_holds_the_reconnected_lock_until_the_engine_dies() {
         "no reclaim{}",
         c.dump_logs()
     );
-    let marks = &primary.state().unwrap()["marks"];
-    assert!(marks["lock_keeper_spawned"].is_i64(), "no keeper: {marks}");
+    // Checked after the safety assertions below, so that a build without the anchor fails
+    // on what matters (the lock moving), not on this mark.
+    let marks = primary.state().unwrap()["marks"].clone();
     assert_eq!(primary.phase().as_deref(), Some("active"));
+
+    let stays_standby = |what: &str| {
+        let end = Instant::now() + Duration::from_millis(1000);
+        while Instant::now() < end {
+            assert_eq!(
+                shadow.phase().as_deref(),
+                Some("standby"),
+                "lock released while {what}{}",
+                c.dump_logs()
+            );
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        assert_eq!(c.lockd.holder("engine").as_deref(), Some("engine-0"));
+    };
 
     primary.proc.signal(libc::SIGKILL);
     assert!(primary.proc.wait_exit(T).is_some());
@@ -47,20 +67,23 @@ fn keeper_holds_the_reconnected_lock_until_the_engine_dies() {
         alive(engine),
         "the engine was meant to outlive its supervisor"
     );
-    let end = Instant::now() + Duration::from_millis(1500);
-    while Instant::now() < end {
-        assert_eq!(
-            shadow.phase().as_deref(),
-            Some("standby"),
-            "lock released while the engine lives{}",
-            c.dump_logs()
-        );
-        std::thread::sleep(Duration::from_millis(30));
-    }
-    assert_eq!(c.lockd.holder("engine").as_deref(), Some("engine-0"));
+    stays_standby("the engine lives");
 
+    // The engine dies; its detached workers live on (and hold the GPU claim).
     // SAFETY: kill(2) on the engine pid from its pid file.
     unsafe { libc::kill(engine, libc::SIGKILL) };
+    assert!(wait_until(T, Duration::from_millis(10), || !alive(engine)));
+    assert!(workers.iter().all(|w| alive(*w)), "workers died too early");
+    stays_standby("the engine's workers live");
+
+    for w in &workers {
+        // SAFETY: kill(2) on worker pids from the engine's pid file.
+        unsafe { libc::kill(*w, libc::SIGKILL) };
+    }
     assert!(shadow.wait_phase("active", T), "{}", c.dump_logs());
     assert!(c.violations().is_empty(), "split brain: {}", c.violations());
+    assert!(
+        marks["lock_anchor_reattached"].is_i64(),
+        "anchor not re-attached: {marks}"
+    );
 }

@@ -31,6 +31,10 @@ pub struct GrantObs {
     /// Processes of that previous holder's engine found alive (not zombie, not exiting)
     /// when the grant was seen: each one is a fencing violation.
     pub previous_alive_pids: Vec<u32>,
+    /// How many processes of the previous holder's engine (main, workers, lingering workers,
+    /// descendants) were checked at that moment: 0 makes the check above vacuous.
+    #[serde(default)]
+    pub previous_checked: usize,
 }
 
 /// A line of the fake engines' `PATH.violations` file (the GPU claim found held).
@@ -105,6 +109,14 @@ pub struct RoundObs {
     pub lease_reclaimed: Option<bool>,
     /// Active intervals of every incarnation that overlapped the round.
     pub active_intervals: Vec<ActiveInterval>,
+    /// Compound rounds: the engine expected to end Active (`lockd-crash-during-wake`: the
+    /// waker that was granted before the lockd crash), when known.
+    #[serde(default)]
+    pub expected_new_engine_id: Option<u64>,
+    /// `revoke-during-reconnect`: whether the revoked side's supervisor fenced itself (reached
+    /// Dead or exited) by the end of the round.
+    #[serde(default)]
+    pub victim_fenced: Option<bool>,
 }
 
 /// The incarnation Active at the end of a round.
@@ -164,6 +176,17 @@ pub enum Violation {
     },
     /// After a lockd restart the Active side did not get its lease back.
     LeaseNotReclaimed,
+    /// A compound round ended with another engine Active than the expected one (the waker
+    /// granted before a lockd crash must reclaim and stay the new Active).
+    WrongNewActive {
+        /// The engine expected Active.
+        expected: u64,
+        /// The engine Active at the end (None: nobody).
+        got: Option<u64>,
+    },
+    /// A lease revoked during lockd's reconnect window was not followed by its holder fencing
+    /// itself.
+    RevokedNotFenced,
     /// Two supervisors reported Active over overlapping times.
     ActiveOverlap {
         /// One engine.
@@ -185,6 +208,8 @@ impl Violation {
             Violation::EpochNotIncreasing { .. } => "epoch-not-increasing",
             Violation::UnexpectedFailover { .. } => "unexpected-failover",
             Violation::LeaseNotReclaimed => "lease-not-reclaimed",
+            Violation::WrongNewActive { .. } => "wrong-new-active",
+            Violation::RevokedNotFenced => "revoked-not-fenced",
             Violation::ActiveOverlap { .. } => "active-overlap",
         }
     }
@@ -230,7 +255,16 @@ impl std::fmt::Display for Violation {
             }
             Violation::LeaseNotReclaimed => write!(
                 f,
-                "the Active side did not reclaim its lease after the lockd restart"
+                "the lease holder did not reclaim its lease after the lockd restart"
+            ),
+            Violation::WrongNewActive { expected, got } => write!(
+                f,
+                "engine {} ended Active, expected engine {expected}",
+                opt(got)
+            ),
+            Violation::RevokedNotFenced => write!(
+                f,
+                "the lease was revoked during the reconnect window but its holder did not fence itself"
             ),
             Violation::ActiveOverlap { a, b, overlap_us } => write!(
                 f,
@@ -339,6 +373,75 @@ pub fn check_round(o: &RoundObs) -> Vec<Violation> {
     }
     // 5. Supervisors never both Active.
     out.extend(active_overlaps(&o.active_intervals));
+    // 6. What each compound kind expects on top of a failover (checks 1-5 apply as well).
+    match o.kind {
+        // The Active side must have reclaimed (before its supervisor was killed); the waker
+        // granted before the lockd crash must reclaim.
+        Some(FailureKind::LockdCrashThenSupervisorKill | FailureKind::LockdCrashDuringWake)
+            if o.lease_reclaimed == Some(false) =>
+        {
+            out.push(Violation::LeaseNotReclaimed);
+        }
+        Some(FailureKind::RevokeDuringReconnect) if o.victim_fenced == Some(false) => {
+            out.push(Violation::RevokedNotFenced);
+        }
+        _ => {}
+    }
+    if let Some(expected) = o.expected_new_engine_id {
+        let got = o.final_active.as_ref().map(|f| f.engine_id);
+        // A missing Active is already `no-new-active`.
+        if got.is_some() && got != Some(expected) {
+            out.push(Violation::WrongNewActive { expected, got });
+        }
+    }
+    out
+}
+
+/// The fencing check of a failover round, for the report: (pids of the previous holder's
+/// engine checked, of them alive) at the first new (not reclaimed) grant. `None` when the
+/// round saw no new grant.
+pub fn fence_check(grants: &[GrantObs]) -> Option<(usize, usize)> {
+    grants
+        .iter()
+        .find(|g| !g.reclaimed)
+        .map(|g| (g.previous_checked, g.previous_alive_pids.len()))
+}
+
+/// One engine life as the interval bookkeeping needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LifeTransitions<'a> {
+    /// Engine id.
+    pub engine_id: u64,
+    /// Incarnation.
+    pub incarnation: u32,
+    /// Its `/state` transitions.
+    pub transitions: &'a [Transition],
+    /// When its supervisor exited, or was SIGKILLed by the drill (ends an Active interval that
+    /// has no next transition).
+    pub exited_us: Option<u64>,
+}
+
+/// The Active intervals of the given lives that had not ended before `since_us`, sorted by
+/// start, duplicates removed. An interval ends at the life's next transition, or when its
+/// supervisor exited (a SIGKILLed supervisor reports no transition), or is open.
+pub fn active_intervals(lives: &[LifeTransitions<'_>], since_us: u64) -> Vec<ActiveInterval> {
+    let mut out = Vec::new();
+    for l in lives {
+        let ts = l.transitions;
+        for (idx, t) in ts.iter().enumerate().filter(|(_, t)| t.to == "active") {
+            let to_us = ts.get(idx + 1).map(|n| n.at_unix_us).or(l.exited_us);
+            if to_us.is_none_or(|e| e >= since_us) {
+                out.push(ActiveInterval {
+                    engine_id: l.engine_id,
+                    incarnation: l.incarnation,
+                    from_us: t.at_unix_us,
+                    to_us,
+                });
+            }
+        }
+    }
+    out.sort_by_key(|iv| (iv.from_us, iv.engine_id, iv.incarnation));
+    out.dedup();
     out
 }
 
@@ -434,6 +537,7 @@ mod tests {
             holder: Some("engine-1".into()),
             reclaimed: false,
             previous_engine_id: Some(0),
+            previous_checked: 3,
             previous_alive_pids: alive,
         }
     }
@@ -663,5 +767,182 @@ mod tests {
         assert!(first_after(&ts, "active", 31).is_none());
         assert_eq!(waking_before(&ts, 30), Some(20));
         assert_eq!(waking_before(&ts, 9), None);
+    }
+
+    fn compound(kind: FailureKind) -> RoundObs {
+        RoundObs {
+            kind: Some(kind),
+            ..good_failover()
+        }
+    }
+
+    #[test]
+    fn lockd_crash_then_supervisor_kill() {
+        // Reclaimed, then a clean failover: no violation.
+        let mut o = compound(FailureKind::LockdCrashThenSupervisorKill);
+        let mut rc = grant(3, vec![]);
+        rc.reclaimed = true;
+        o.grants.insert(0, rc);
+        o.lease_reclaimed = Some(true);
+        assert_eq!(check_round(&o), vec![]);
+        // The split brain of issue 15: a lingering worker of the old engine alive at the
+        // grant, the GPU claim found held by the new engine.
+        let mut bad = o.clone();
+        bad.grants[1].previous_alive_pids = vec![4242];
+        bad.claim_violations.push(ClaimViolation::parse(
+            r#"{"engine_id":1,"pid":9,"at_unix_us":2}"#,
+        ));
+        let names: Vec<_> = check_round(&bad).iter().map(|v| v.name()).collect();
+        assert_eq!(
+            names,
+            vec!["split-brain-claim", "fenced-process-alive-at-grant"]
+        );
+        // No reclaim before the supervisor kill.
+        let mut nr = o.clone();
+        nr.lease_reclaimed = Some(false);
+        assert_eq!(check_round(&nr), vec![Violation::LeaseNotReclaimed]);
+        // Still a failover kind: the victim staying Active is no failover.
+        let mut stay = o;
+        stay.final_is_victim = true;
+        assert!(check_round(&stay)
+            .iter()
+            .any(|v| v.name() == "no-new-active"));
+    }
+
+    #[test]
+    fn revoke_during_reconnect() {
+        let mut o = compound(FailureKind::RevokeDuringReconnect);
+        o.victim_fenced = Some(true);
+        assert_eq!(check_round(&o), vec![]);
+        o.victim_fenced = Some(false);
+        o.final_active = None;
+        assert_eq!(
+            check_round(&o).iter().map(|v| v.name()).collect::<Vec<_>>(),
+            vec!["no-new-active", "revoked-not-fenced"]
+        );
+        // A reclaim answered before the revoke keeps the epoch; the new grant must exceed it.
+        let mut o = compound(FailureKind::RevokeDuringReconnect);
+        let mut rc = grant(3, vec![]);
+        rc.reclaimed = true;
+        o.grants = vec![rc, grant(3, vec![])];
+        assert!(check_round(&o)
+            .iter()
+            .any(|v| v.name() == "epoch-not-increasing"));
+    }
+
+    #[test]
+    fn lockd_crash_during_wake() {
+        // Granted (epoch 4), lockd crashed, the waker reclaimed epoch 4 and became Active.
+        let mut o = compound(FailureKind::LockdCrashDuringWake);
+        let mut rc = grant(4, vec![]);
+        rc.reclaimed = true;
+        o.grants.push(rc);
+        o.lease_reclaimed = Some(true);
+        o.expected_new_engine_id = Some(1);
+        assert_eq!(check_round(&o), vec![]);
+        // A reclaim may not lower the epoch.
+        let mut low = o.clone();
+        low.grants[1].epoch = Some(2);
+        assert!(check_round(&low)
+            .iter()
+            .any(|v| v.name() == "epoch-not-increasing"));
+        // The waker lost its lease and someone else ended Active.
+        let mut lost = o;
+        lost.lease_reclaimed = Some(false);
+        lost.final_active.as_mut().unwrap().engine_id = 0;
+        lost.final_active.as_mut().unwrap().incarnation = 1;
+        assert_eq!(
+            check_round(&lost),
+            vec![
+                Violation::LeaseNotReclaimed,
+                Violation::WrongNewActive {
+                    expected: 1,
+                    got: Some(0)
+                }
+            ]
+        );
+    }
+
+    #[test]
+    fn double_kill() {
+        let o = compound(FailureKind::DoubleKill);
+        assert_eq!(check_round(&o), vec![]);
+        // Both supervisors Active at once (the killed one never reported leaving Active: its
+        // interval ends when it exited).
+        let mut ov = o;
+        ov.active_intervals[0].to_us = Some(1_500_000);
+        assert_eq!(
+            check_round(&ov),
+            vec![Violation::ActiveOverlap {
+                a: 0,
+                b: 1,
+                overlap_us: 100_000
+            }]
+        );
+    }
+
+    #[test]
+    fn fence_check_reports_the_first_new_grant() {
+        let mut rc = grant(3, vec![]);
+        rc.reclaimed = true;
+        rc.previous_checked = 0;
+        assert_eq!(fence_check(&[rc.clone()]), None);
+        assert_eq!(fence_check(&[rc, grant(4, vec![7])]), Some((3, 1)));
+        assert_eq!(fence_check(&[]), None);
+    }
+
+    #[test]
+    fn active_intervals_end_at_the_next_transition_or_exit() {
+        let a = [t("standby", 1), t("active", 10), t("dead", 50)];
+        let b = [t("standby", 2), t("waking", 55), t("active", 60)];
+        let c = [t("active", 5)];
+        let lives = [
+            LifeTransitions {
+                engine_id: 0,
+                incarnation: 0,
+                transitions: &a,
+                exited_us: Some(70),
+            },
+            LifeTransitions {
+                engine_id: 1,
+                incarnation: 0,
+                transitions: &b,
+                exited_us: None,
+            },
+            LifeTransitions {
+                engine_id: 0,
+                incarnation: 1,
+                transitions: &c,
+                exited_us: Some(8),
+            },
+        ];
+        let iv = active_intervals(&lives, 20);
+        assert_eq!(
+            iv,
+            vec![
+                ActiveInterval {
+                    engine_id: 0,
+                    incarnation: 0,
+                    from_us: 10,
+                    to_us: Some(50)
+                },
+                ActiveInterval {
+                    engine_id: 1,
+                    incarnation: 0,
+                    from_us: 60,
+                    to_us: None
+                },
+            ]
+        );
+        assert!(active_overlaps(&iv).is_empty());
+        // A killed supervisor (no Dead transition) is Active until it exited.
+        let d = [t("active", 10)];
+        let lives = [LifeTransitions {
+            engine_id: 0,
+            incarnation: 0,
+            transitions: &d,
+            exited_us: Some(65),
+        }];
+        assert_eq!(active_intervals(&lives, 20)[0].to_us, Some(65));
     }
 }

@@ -43,6 +43,10 @@ pub const EXIT_DRILL_ERROR: i32 = 2;
 /// The drill passes its environment on to the supervisors it starts.
 pub const PLANTED_BUG_ENV: &str = "SUPERVISOR_PLANTED_BUG_EARLY_RELEASE";
 
+/// The environment variable of the second planted bug (same feature): the supervisor runs
+/// without the lock anchor, as before issue 15. Compound rounds must catch it.
+pub const PLANTED_NO_ANCHOR_ENV: &str = "SUPERVISOR_PLANTED_BUG_NO_ANCHOR";
+
 /// `supervisor drill` flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DrillArgs {
@@ -62,8 +66,9 @@ pub struct DrillArgs {
     #[arg(long, env = "SUPERVISOR_DRILL_SEED")]
     pub seed: Option<u64>,
 
-    /// Failure kinds, comma-separated, or `all`: engine-kill, supervisor-kill,
-    /// detached-worker, hung-wake, lockd-crash, revoke.
+    /// Failure kinds, comma-separated: engine-kill, supervisor-kill, detached-worker,
+    /// hung-wake, lockd-crash, revoke (`all`: these six), lockd-crash-then-supervisor-kill,
+    /// revoke-during-reconnect, lockd-crash-during-wake, double-kill (`compound`: these four).
     #[arg(
         long,
         env = "SUPERVISOR_DRILL_KINDS",
@@ -135,8 +140,10 @@ pub struct DrillArgs {
 
     /// `supervisor run --linger`: how long a fenced supervisor keeps answering probes (as
     /// Dead) before exiting, so the drill reads its Dead transition. Not on the failover
-    /// path: the lease is released before the linger. `0s` to leave the flag out.
-    #[arg(long, env = "SUPERVISOR_DRILL_SUPERVISOR_LINGER", value_parser = humantime::parse_duration, default_value = "300ms")]
+    /// path: the lease is released before the linger, but every failover round waits for it
+    /// (the victim's exit), so it is most of a round's time: 150ms is 30 polls at the default
+    /// `--poll-interval`. `0s` to leave the flag out.
+    #[arg(long, env = "SUPERVISOR_DRILL_SUPERVISOR_LINGER", value_parser = humantime::parse_duration, default_value = "150ms")]
     pub supervisor_linger: Duration,
 
     /// Extra argument for every fake-engine (repeatable), e.g. `--engine-arg=--wake=200ms`.
@@ -175,6 +182,48 @@ pub struct DrillArgs {
     /// Plain line per round even on a terminal (no progress bar).
     #[arg(long, env = "SUPERVISOR_DRILL_PLAIN")]
     pub plain: bool,
+
+    /// Stop after the first round with a violation (default: keep going).
+    #[arg(long, env = "SUPERVISOR_DRILL_STOP_ON_VIOLATION")]
+    pub stop_on_violation: bool,
+
+    /// Run N CPU-bound busy loops (`sh -c 'while :; do :; done'`, each its own process group)
+    /// beside the drill for its whole duration: failover under CPU pressure.
+    #[arg(long, env = "SUPERVISOR_DRILL_LOAD", default_value_t = 0)]
+    pub load: u32,
+
+    /// fake-engine `--worker-linger` for the Active engine of a compound round: its workers
+    /// outlive the engine's main process by this long (CUDA teardown). Other rounds' engines
+    /// get none. `0s` to turn it off.
+    #[arg(long, env = "SUPERVISOR_DRILL_WORKER_LINGER", value_parser = humantime::parse_duration, default_value = "300ms")]
+    pub worker_linger: Duration,
+
+    /// fake-engine `--wake` for the waker of a lockd-crash-during-wake round: the window in
+    /// Waking in which lockd is crashed.
+    #[arg(long, env = "SUPERVISOR_DRILL_SLOW_WAKE", value_parser = humantime::parse_duration, default_value = "300ms")]
+    pub slow_wake: Duration,
+
+    /// GPU checks on a simulated device: the drill creates `DIR/gpu-sim` (total 80 GiB) and
+    /// passes `--gpu-sim` to the supervisors (with `--min-free-memory` = what one engine
+    /// registers) and to fake-engine, which registers its processes there while it holds the
+    /// GPU claim (`--gpu-sim-bytes` each).
+    #[arg(long, env = "SUPERVISOR_DRILL_GPU_SIM")]
+    pub gpu_sim: bool,
+
+    /// Bytes each fake-engine process registers on the simulated device (`--gpu-sim`).
+    #[arg(long, env = "SUPERVISOR_DRILL_GPU_SIM_BYTES", default_value_t = 20 << 30)]
+    pub gpu_sim_bytes: u64,
+
+    /// Kubelet emulation: how long after a supervisor the drill SIGKILLed has died the rest of
+    /// its container is killed (the container runtime is not instant: it sees PID 1's exit,
+    /// then kills the cgroup). Until then the engine's processes that outlive their
+    /// supervisor (lingering workers) live on.
+    #[arg(long, env = "SUPERVISOR_DRILL_TEARDOWN_DELAY", value_parser = humantime::parse_duration, default_value = "100ms")]
+    pub teardown_delay: Duration,
+
+    /// How often the drill polls the supervisors while a round runs.
+    #[arg(long, env = "SUPERVISOR_DRILL_POLL_INTERVAL", value_parser = humantime::parse_duration, default_value = "5ms")]
+    pub poll_interval: Duration,
 }
 
 /// TEST-ONLY planted bug (compiled only with the `planted-bug-early-release` feature, which no

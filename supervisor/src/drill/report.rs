@@ -46,6 +46,53 @@ pub struct RoundRecord {
     pub marks_after_kill_us: std::collections::BTreeMap<String, u64>,
     /// Things worth knowing that are not violations (setup problems, survivors).
     pub notes: Vec<String>,
+    /// The fencing check at the round's new grant: how many processes of the previous
+    /// holder's engine (lingering workers included) were checked when `lockd watch` reported
+    /// the grant. 0 (or absent in a failover round) means the check saw nothing to check.
+    #[serde(default)]
+    pub fence_pids_checked: Option<usize>,
+    /// Of those, how many were alive (each one is a `fenced-process-alive-at-grant`).
+    #[serde(default)]
+    pub fence_pids_alive: Option<usize>,
+    /// Compound rounds: how the two failures were injected.
+    #[serde(default)]
+    pub compound: Option<CompoundRecord>,
+    /// Wall time of the round, from the end of the previous one (setting up included),
+    /// microseconds: where soak time goes.
+    #[serde(default)]
+    pub round_wall_us: Option<u64>,
+}
+
+/// How a compound round injected its two failures.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct CompoundRecord {
+    /// When lockd was SIGKILLed, relative to `t_kill_unix_us` (negative: before), microseconds.
+    #[serde(default)]
+    pub lockd_killed_rel_us: Option<i64>,
+    /// When lockd's socket answered again after its restart, relative to `t_kill_unix_us`.
+    #[serde(default)]
+    pub lockd_back_rel_us: Option<i64>,
+    /// The seeded delay before the second failure, microseconds (`lockd-crash-then-
+    /// supervisor-kill`: after the reclaim was seen; `double-kill`: after the engine kill).
+    #[serde(default)]
+    pub delay_us: Option<u64>,
+    /// `revoke-during-reconnect`: the revoke was sent before the Active side's reclaim was
+    /// answered (its `lock_reclaimed` mark came after the revoke, or never).
+    #[serde(default)]
+    pub revoked_before_reclaim: Option<bool>,
+    /// `lockd revoke` succeeded.
+    #[serde(default)]
+    pub revoke_ok: Option<bool>,
+    /// The engine whose lease had to survive the lockd crash (reclaimed it): the Active side,
+    /// or for `lockd-crash-during-wake` the waker.
+    #[serde(default)]
+    pub reclaimer_engine_id: Option<u64>,
+    /// Its lease was reclaimed.
+    #[serde(default)]
+    pub reclaimed: Option<bool>,
+    /// The victim's engine was started with `--worker-linger`.
+    #[serde(default)]
+    pub victim_workers_linger: bool,
 }
 
 impl RoundRecord {
@@ -165,13 +212,13 @@ pub fn percentile(v: &[u64], p: f64) -> Option<u64> {
     Some(s[rank.clamp(1, s.len()) - 1])
 }
 
-/// Per-kind statistics, in the order of `FailureKind::ALL`, kinds without rounds left out.
+/// Per-kind statistics, in the order of `FailureKind::EVERY`, kinds without rounds left out.
 pub fn summarize(rounds: &[RoundRecord]) -> Vec<KindSummary> {
     let mut by: BTreeMap<FailureKind, Vec<&RoundRecord>> = BTreeMap::new();
     for r in rounds {
         by.entry(r.kind).or_default().push(r);
     }
-    FailureKind::ALL
+    FailureKind::EVERY
         .iter()
         .filter_map(|k| by.get(k).map(|rs| (*k, rs)))
         .map(|(kind, rs)| {
@@ -205,7 +252,7 @@ pub fn summary_table(sums: &[KindSummary]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<16} {:>5} {:>11} {:>9} {:>9} {:>10} {:>9} {:>9} {:>10}",
+        "{:<32} {:>5} {:>11} {:>9} {:>9} {:>10} {:>9} {:>9} {:>10}",
         "kind",
         "count",
         "median_ms",
@@ -219,7 +266,7 @@ pub fn summary_table(sums: &[KindSummary]) -> String {
     for k in sums {
         let _ = writeln!(
             s,
-            "{:<16} {:>5} {:>11} {:>9} {:>9} {:>10} {:>9} {:>9} {:>10}",
+            "{:<32} {:>5} {:>11} {:>9} {:>9} {:>10} {:>9} {:>9} {:>10}",
             k.kind.name(),
             k.count,
             f(k.median_ms),
@@ -241,6 +288,11 @@ pub fn summary_table(sums: &[KindSummary]) -> String {
         );
     }
     s
+}
+
+/// Rounds per minute over a wall time (None for no time).
+pub fn rounds_per_minute(rounds: usize, elapsed_us: u64) -> Option<f64> {
+    (elapsed_us > 0).then(|| rounds as f64 * 60e6 / elapsed_us as f64)
 }
 
 /// The JSON report (`--report`).
@@ -280,6 +332,24 @@ pub struct Report {
     pub exit_code: i32,
     /// Every round.
     pub rounds: Vec<RoundRecord>,
+    /// `--load`: CPU-bound busy loops run beside the drill.
+    #[serde(default)]
+    pub load: u32,
+    /// `--worker-linger` given to the victims of compound rounds, milliseconds.
+    #[serde(default)]
+    pub worker_linger_ms: u64,
+    /// lockd's `--reconnect-window`, milliseconds.
+    #[serde(default)]
+    pub reconnect_window_ms: u64,
+    /// `--gpu-sim`: the supervisors ran their GPU checks on a simulated device.
+    #[serde(default)]
+    pub gpu_sim: bool,
+    /// `--stop-on-violation`.
+    #[serde(default)]
+    pub stop_on_violation: bool,
+    /// Completed rounds per minute of wall time (setup and teardown of the drill excluded).
+    #[serde(default)]
+    pub rounds_per_minute: Option<f64>,
 }
 
 #[cfg(test)]
@@ -323,6 +393,10 @@ pub(crate) mod tests {
                 .collect(),
             marks_after_kill_us: Default::default(),
             notes: vec![],
+            fence_pids_checked: None,
+            fence_pids_alive: None,
+            compound: None,
+            round_wall_us: None,
         }
     }
 
@@ -416,11 +490,53 @@ pub(crate) mod tests {
             aborted: None,
             exit_code: 0,
             rounds,
+            load: 3,
+            worker_linger_ms: 300,
+            reconnect_window_ms: 1000,
+            gpu_sim: false,
+            stop_on_violation: false,
+            rounds_per_minute: Some(120.0),
         };
         let s = serde_json::to_string_pretty(&r).unwrap();
         assert!(s.contains("\"kind\": \"hung-wake\""), "{s}");
         assert!(s.contains("\"order\": \"random\""), "{s}");
         let back: Report = serde_json::from_str(&s).unwrap();
         assert_eq!(back, r);
+        // A report written before the compound kinds (no new fields) still reads.
+        let mut v: serde_json::Value = serde_json::from_str(&s).unwrap();
+        for k in [
+            "load",
+            "worker_linger_ms",
+            "reconnect_window_ms",
+            "gpu_sim",
+            "stop_on_violation",
+            "rounds_per_minute",
+        ] {
+            v.as_object_mut().unwrap().remove(k);
+        }
+        v["rounds"][0].as_object_mut().unwrap().remove("compound");
+        let old: Report = serde_json::from_value(v).unwrap();
+        assert_eq!(old.load, 0);
+        assert_eq!(rounds_per_minute(30, 60_000_000), Some(30.0));
+        assert_eq!(rounds_per_minute(3, 0), None);
+    }
+
+    #[test]
+    fn compound_kinds_are_summarized() {
+        let rounds = vec![
+            rec(1, FailureKind::DoubleKill, 10, 0),
+            rec(2, FailureKind::LockdCrashThenSupervisorKill, 30, 2),
+        ];
+        let s = summarize(&rounds);
+        assert_eq!(
+            s.iter().map(|k| k.kind).collect::<Vec<_>>(),
+            vec![
+                FailureKind::LockdCrashThenSupervisorKill,
+                FailureKind::DoubleKill
+            ]
+        );
+        let t = summary_table(&s);
+        assert!(t.contains("lockd-crash-then-supervisor-kill"), "{t}");
+        assert!(t.contains("2 rounds, 2 invariant violations"), "{t}");
     }
 }

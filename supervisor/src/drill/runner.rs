@@ -16,20 +16,24 @@ use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, oneshot};
 
 use super::invariants::{
-    self, ActiveInterval, ClaimViolation, FinalActive, GrantObs, RoundObs, Transition,
+    self, ClaimViolation, FinalActive, GrantObs, LifeTransitions, RoundObs, Transition,
 };
 use super::observe::{self, LockdStatus, StateDoc};
 use super::procs::{self, now_us, TrackedPid};
-use super::report::{self, Report, RoundRecord};
+use super::report::{self, CompoundRecord, Report, RoundRecord};
 use super::schedule::{self, EngineConfig, FailureKind, Order};
-use super::{DrillArgs, EXIT_DRILL_ERROR, EXIT_OK, EXIT_VIOLATION, PLANTED_BUG_ENV};
+use super::{
+    DrillArgs, EXIT_DRILL_ERROR, EXIT_OK, EXIT_VIOLATION, PLANTED_BUG_ENV, PLANTED_NO_ANCHOR_ENV,
+};
 
 /// The lock resource the drilled supervisors share.
 const RESOURCE: &str = "engine";
-/// Observation period while a round runs.
-const TICK: Duration = Duration::from_millis(20);
+/// Polling period of the fast waits inside compound rounds (reclaim seen, standby Waking).
+const FAST_POLL: Duration = Duration::from_millis(1);
 /// One probe request's time limit.
 const HTTP_TIMEOUT: Duration = Duration::from_millis(500);
+/// Total memory of the simulated device of `--gpu-sim`: 80 GiB.
+const GPU_SIM_TOTAL: u64 = 80 << 30;
 
 /// Entry point used by [`super::run`]: never panics on outside input; returns the exit code.
 pub(super) async fn run(args: DrillArgs) -> i32 {
@@ -197,6 +201,12 @@ struct Inc {
     next_live: Instant,
     /// When the kubelet emulation sent SIGTERM.
     term_sent: Option<Instant>,
+    /// The drill SIGKILLed the supervisor: once it has exited, the container is torn down
+    /// `--teardown-delay` later, not at once.
+    sigkilled_at: Option<Instant>,
+    /// The same moment, wall clock (a SIGKILLed supervisor's Active state ends there, even if
+    /// the drill sees its exit a few ms later).
+    sigkilled_us: Option<u64>,
 }
 
 impl Inc {
@@ -310,6 +320,10 @@ struct Drill {
     watch: Option<Child>,
     /// Grants read from the watch stream, with the fence check already done.
     watch_rx: Option<mpsc::UnboundedReceiver<WatchMsg>>,
+    /// The sending side every watch reader gets a clone of.
+    watch_tx: Option<mpsc::UnboundedSender<WatchMsg>>,
+    /// Watches of lockd lives that crashed, until they have ended.
+    old_watches: Vec<Child>,
     /// The current lease holder's engine processes, shared with the watch reader.
     fence: Arc<Mutex<Fence>>,
     /// The running life of engine 0 and engine 1 ("containers").
@@ -344,6 +358,14 @@ struct Drill {
     aborted: Option<String>,
     /// Things seen during the current round that are worth a note in its record.
     round_notes: Vec<String>,
+    /// `--load` busy loops.
+    load: Vec<Child>,
+    /// `--gpu-sim`: the simulated device's directory.
+    gpu_sim: Option<PathBuf>,
+    /// When the first round began (rounds per minute).
+    rounds_started: Option<Instant>,
+    /// When the last round ended.
+    rounds_ended: Option<Instant>,
 }
 
 impl Drill {
@@ -410,7 +432,9 @@ impl Drill {
         if let Err(e) = procs::become_subreaper() {
             eprintln!("supervisor drill: cannot become a child subreaper ({e}); orphans may escape cleanup");
         }
-        let planted = std::env::var(PLANTED_BUG_ENV).is_ok_and(|v| v == "1" || v == "true");
+        let planted = [PLANTED_BUG_ENV, PLANTED_NO_ANCHOR_ENV]
+            .iter()
+            .any(|k| std::env::var(k).is_ok_and(|v| !matches!(v.trim(), "" | "0" | "false")));
         let progress = if !args.plain && std::io::stderr().is_terminal() {
             let pb = indicatif::ProgressBar::new(u64::from(args.iterations));
             if let Ok(style) = indicatif::ProgressStyle::with_template(
@@ -437,6 +461,8 @@ impl Drill {
             lockd_pid: None,
             watch: None,
             watch_rx: None,
+            watch_tx: None,
+            old_watches: Vec::new(),
             fence: Arc::new(Mutex::new(Fence::default())),
             sides: [None, None],
             retired: Vec::new(),
@@ -454,6 +480,10 @@ impl Drill {
             started_us: now_us(),
             aborted: None,
             round_notes: Vec::new(),
+            load: Vec::new(),
+            gpu_sim: None,
+            rounds_started: None,
+            rounds_ended: None,
         })
     }
 
@@ -492,6 +522,50 @@ impl Drill {
     }
 
     async fn start_lockd(&mut self) -> Result<()> {
+        self.spawn_lockd()?;
+        self.wait_lockd_ready().await
+    }
+
+    /// SIGKILLs lockd and reaps it.
+    async fn kill_lockd(&mut self) {
+        if let Some(p) = self.lockd_pid {
+            procs::signal_pid(p, Signal::SIGKILL);
+        }
+        if let Some(mut l) = self.lockd.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), l.wait()).await;
+        }
+    }
+
+    /// A lockd crash: SIGKILL, restart on the same state file and socket, new watch. The
+    /// watch connects as soon as the socket accepts, before the supervisors' clients (which
+    /// back off 10 ms, 20 ms, ...) reclaim, so that it sees their reclaims.
+    async fn crash_lockd(&mut self) -> Result<()> {
+        self.kill_lockd().await;
+        self.spawn_lockd()?;
+        self.wait_socket_accepts(Duration::from_secs(10));
+        self.start_watch()?;
+        self.wait_lockd_ready()
+            .await
+            .context("restarting lockd after the crash")
+    }
+
+    /// Waits (busy, 200 us steps: this is the window a compound round injects into) until
+    /// lockd's socket accepts connections. A stale socket file of a killed lockd refuses them.
+    fn wait_socket_accepts(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if std::os::unix::net::UnixStream::connect(&self.sock).is_ok() {
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Starts `lockd serve` without waiting for it.
+    fn spawn_lockd(&mut self) -> Result<()> {
         let mut c = self.command(&self.bins.lockd.clone(), "lockd.log")?;
         c.arg("serve")
             .arg("--listen")
@@ -506,6 +580,11 @@ impl Drill {
             self.sup_pgids.push(p);
         }
         self.lockd = Some(child);
+        Ok(())
+    }
+
+    /// Waits until the lockd just spawned answers `lockd status`.
+    async fn wait_lockd_ready(&mut self) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             if let Some(ch) = self.lockd.as_mut() {
@@ -522,7 +601,7 @@ impl Drill {
             if Instant::now() > deadline {
                 bail!("lockd did not answer within 10s");
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(Duration::from_millis(2)).await;
         }
     }
 
@@ -555,8 +634,12 @@ impl Drill {
     }
 
     fn start_watch(&mut self) -> Result<()> {
-        if let Some(mut w) = self.watch.take() {
-            let _ = w.start_kill();
+        // The previous watch ends by itself once its lockd died; its reader still delivers
+        // what it printed before (a grant right before a lockd crash), in order.
+        self.old_watches
+            .retain_mut(|w| matches!(w.try_wait(), Ok(None)));
+        if let Some(w) = self.watch.take() {
+            self.old_watches.push(w);
         }
         let mut c = Command::new(&self.bins.lockd);
         let (_, err) = self.log_file("lockd-watch.log")?;
@@ -573,7 +656,15 @@ impl Drill {
             .stdout
             .take()
             .ok_or_else(|| anyhow!("no stdout from lockd watch"))?;
-        let (tx, rx) = mpsc::unbounded_channel();
+        let tx = match &self.watch_tx {
+            Some(tx) => tx.clone(),
+            None => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                self.watch_rx = Some(rx);
+                self.watch_tx = Some(tx.clone());
+                tx
+            }
+        };
         let fence = Arc::clone(&self.fence);
         let log = self.dir.join("logs/lockd-watch.events");
         tokio::spawn(async move {
@@ -591,17 +682,18 @@ impl Drill {
                 let grant = (ev.is_grant() && ev.resource.as_deref().is_none_or(|r| r == RESOURCE))
                     .then(|| {
                         // The fencing check, as close to the grant as the drill can see it.
-                        let (engine_id, alive) = match fence.lock() {
+                        let (engine_id, checked, alive) = match fence.lock() {
                             Ok(f) if !ev.reclaimed => (
                                 f.holder.map(|h| h.0),
+                                f.pids.len(),
                                 f.pids
                                     .iter()
                                     .filter(|p| p.is_alive())
                                     .map(|p| p.pid)
                                     .collect(),
                             ),
-                            Ok(f) => (f.holder.map(|h| h.0), Vec::new()),
-                            Err(_) => (None, Vec::new()),
+                            Ok(f) => (f.holder.map(|h| h.0), 0, Vec::new()),
+                            Err(_) => (None, 0, Vec::new()),
                         };
                         GrantObs {
                             seen_at_unix_us: seen,
@@ -610,6 +702,7 @@ impl Drill {
                             reclaimed: ev.reclaimed,
                             previous_engine_id: engine_id,
                             previous_alive_pids: alive,
+                            previous_checked: checked,
                         }
                     });
                 if let Some(f) = logf.as_mut() {
@@ -625,8 +718,80 @@ impl Drill {
             self.sup_pgids.push(p);
         }
         self.watch = Some(child);
-        self.watch_rx = Some(rx);
         Ok(())
+    }
+
+    /// `--load N`: N CPU-bound busy loops, each in its own process group (killed with the
+    /// drill's other groups at every exit path; PDEATHSIG if the drill itself dies).
+    fn start_load(&mut self) -> Result<()> {
+        for i in 0..self.args.load {
+            let mut c = Command::new("sh");
+            c.args(["-c", "while :; do :; done"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .process_group(0)
+                .kill_on_drop(true);
+            // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+            unsafe {
+                c.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+            let child = c
+                .spawn()
+                .with_context(|| format!("starting load loop {i}"))?;
+            if let Some(p) = child.id() {
+                self.sup_pgids.push(p);
+            }
+            self.load.push(child);
+        }
+        Ok(())
+    }
+
+    /// `--gpu-sim`: the simulated device's directory with its total.
+    fn setup_gpu_sim(&mut self) -> Result<()> {
+        if !self.args.gpu_sim {
+            return Ok(());
+        }
+        let d = self.dir.join("gpu-sim");
+        gms_client::simdev::set_total(&d, GPU_SIM_TOTAL)
+            .with_context(|| format!("creating {}", d.display()))?;
+        self.gpu_sim = Some(d);
+        Ok(())
+    }
+
+    /// Polls one side's `/state` every [`FAST_POLL`] until `pred` holds (true) or the
+    /// deadline passes (false). Only that side is polled: used between the two failures of
+    /// a compound round, where a full tick would add its latency to the window.
+    async fn poll_side_until(
+        &mut self,
+        side: usize,
+        deadline: Instant,
+        pred: impl Fn(&StateDoc) -> bool,
+    ) -> bool {
+        loop {
+            let addr = self.sides[side]
+                .as_ref()
+                .filter(|i| i.exited.is_none())
+                .map(|i| i.probes);
+            if let Some(doc) = poll_state(addr).await {
+                let ok = pred(&doc);
+                if let Some(i) = self.sides[side].as_mut() {
+                    i.state = Some(doc);
+                }
+                if ok {
+                    return true;
+                }
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(FAST_POLL).await;
+        }
     }
 
     fn engine_cmd(
@@ -669,6 +834,19 @@ impl Drill {
         if cfg.hung_wake {
             v.push("--wake".into());
             v.push("1h".into());
+        } else if cfg.slow_wake {
+            v.push("--wake".into());
+            v.push(humantime::format_duration(self.args.slow_wake).to_string());
+        }
+        if cfg.linger_workers && !self.args.worker_linger.is_zero() {
+            v.push("--worker-linger".into());
+            v.push(humantime::format_duration(self.args.worker_linger).to_string());
+        }
+        if let Some(d) = &self.gpu_sim {
+            v.push("--gpu-sim".into());
+            v.push(d.display().to_string());
+            v.push("--gpu-sim-bytes".into());
+            v.push(self.args.gpu_sim_bytes.to_string());
         }
         v.extend(self.args.engine_arg.iter().map(|a| subst(a)));
         Ok(v)
@@ -705,6 +883,19 @@ impl Drill {
         if cfg.hung_wake {
             c.arg("--waking-timeout")
                 .arg(humantime::format_duration(self.args.hung_waking_timeout).to_string());
+        }
+        if let Some(d) = &self.gpu_sim {
+            // What one engine registers while it holds the GPU (main + workers), capped at
+            // the device: a waker waits until the previous engine's memory is back.
+            let need = self
+                .args
+                .gpu_sim_bytes
+                .saturating_mul(u64::from(self.args.workers) + 1)
+                .min(GPU_SIM_TOTAL);
+            c.arg("--gpu-sim")
+                .arg(d)
+                .arg("--min-free-memory")
+                .arg(need.to_string());
         }
         c.args(&self.args.supervisor_arg);
         c.arg("--")
@@ -761,6 +952,8 @@ impl Drill {
             live_failures: 0,
             next_live: Instant::now() + self.args.liveness_period,
             term_sent: None,
+            sigkilled_at: None,
+            sigkilled_us: None,
         });
         Ok(())
     }
@@ -786,6 +979,22 @@ impl Drill {
     // ---------------------------------------------------------------- observation
 
     async fn tick(&mut self) {
+        // 0. A watch that ended while lockd runs (it could not connect) is started again.
+        let lockd_up = self
+            .lockd
+            .as_mut()
+            .is_some_and(|l| matches!(l.try_wait(), Ok(None)));
+        let watch_dead = self
+            .watch
+            .as_mut()
+            .is_some_and(|w| !matches!(w.try_wait(), Ok(None)));
+        if lockd_up && watch_dead && self.phase != Phase::Stopping {
+            self.round_notes
+                .push("lockd watch ended while lockd ran; restarted".into());
+            if let Err(e) = self.start_watch() {
+                self.say(&format!("drill: cannot restart lockd watch: {e:#}"));
+            }
+        }
         // 1. Lock events.
         if let Some(rx) = self.watch_rx.as_mut() {
             while let Ok(m) = rx.try_recv() {
@@ -844,6 +1053,14 @@ impl Drill {
             for p in &inc.engine_pids {
                 p.reap_if_zombie();
             }
+            if inc.engine_gone_us.is_none()
+                && !inc.engine_pids.is_empty()
+                && inc.engine_pids.iter().all(|p| !p.is_alive())
+            {
+                inc.engine_gone_us = Some(now);
+            }
+        }
+        for inc in self.retired.iter_mut() {
             if inc.engine_gone_us.is_none()
                 && !inc.engine_pids.is_empty()
                 && inc.engine_pids.iter().all(|p| !p.is_alive())
@@ -995,10 +1212,13 @@ impl Drill {
                     i.teardown();
                 }
             }
-            // Exited: tear down what is left (the container is gone), restart as shadow.
-            let exited = self.sides[side]
-                .as_ref()
-                .is_some_and(|i| i.exited.is_some());
+            // Exited: tear down what is left (the container is gone), restart as shadow. A
+            // supervisor the drill SIGKILLed leaves its container to the runtime, which takes
+            // `--teardown-delay` to kill the rest.
+            let delay = self.args.teardown_delay;
+            let exited = self.sides[side].as_ref().is_some_and(|i| {
+                i.exited.is_some() && i.sigkilled_at.is_none_or(|t| t.elapsed() >= delay)
+            });
             if exited {
                 let Some(mut inc) = self.sides[side].take() else {
                     continue;
@@ -1028,7 +1248,7 @@ impl Drill {
             if Instant::now() > deadline {
                 return false;
             }
-            tokio::time::sleep(TICK).await;
+            tokio::time::sleep(self.args.poll_interval).await;
         }
     }
 
@@ -1084,8 +1304,10 @@ impl Drill {
             self.dir.display()
         );
         if self.planted {
-            eprintln!("supervisor drill: {PLANTED_BUG_ENV} is set: supervisors built with the planted bug release the lease before their engine is dead");
+            eprintln!("supervisor drill: {PLANTED_BUG_ENV} or {PLANTED_NO_ANCHOR_ENV} is set: supervisors built with the planted bugs release the lease too early");
         }
+        self.start_load()?;
+        self.setup_gpu_sim()?;
         self.start_lockd().await?;
         self.start_watch()?;
         self.phase = Phase::Between(0);
@@ -1111,6 +1333,8 @@ impl Drill {
                 self.dir.join("logs").display()
             );
         }
+        self.rounds_started = Some(Instant::now());
+        let mut last_end = Instant::now();
         for r in 0..self.sched.len() {
             self.phase = Phase::Between(r);
             if let Err(e) = self.prepare(r).await {
@@ -1118,7 +1342,10 @@ impl Drill {
                 return Err(e);
             }
             self.phase = Phase::InRound(r);
-            let rec = self.round(r).await?;
+            let mut rec = self.round(r).await?;
+            rec.round_wall_us = Some(last_end.elapsed().as_micros() as u64);
+            last_end = Instant::now();
+            self.rounds_ended = Some(last_end);
             let line = rec.line(self.args.iterations);
             self.say(&line);
             if let Some(pb) = &self.progress {
@@ -1131,7 +1358,15 @@ impl Drill {
                     + rec.violations.len();
                 pb.set_message(format!("{v} violations"));
             }
+            let violated = !rec.violations.is_empty();
             self.records.push(rec);
+            if violated && self.args.stop_on_violation {
+                self.aborted = Some(format!(
+                    "stopped after the violation in round {} (--stop-on-violation)",
+                    r + 1
+                ));
+                break;
+            }
         }
         Ok(())
     }
@@ -1235,7 +1470,6 @@ impl Drill {
                 .and_then(|s| s.engine_pid)
                 .or_else(|| procs::read_pid_file(&i.pid_file).first().copied())
         });
-        let sup_pid = self.sides[a].as_ref().map(|i| i.sup_pid).unwrap_or(0);
         let mut bound = self.args.failover_bound;
         if kind == FailureKind::HungWake {
             bound += self.args.hung_waking_timeout;
@@ -1250,57 +1484,149 @@ impl Drill {
         };
 
         // ---- inject
-        let t_kill = now_us();
-        let kill_at = Instant::now();
-        match kind {
-            FailureKind::EngineKill | FailureKind::DetachedWorker | FailureKind::HungWake => {
-                match victim_pid {
-                    Some(p) => procs::signal_pid(p, Signal::SIGKILL),
-                    None => bail!("round {}: the Active engine's pid is unknown", r + 1),
+        let mut t_kill = now_us();
+        let mut kill_at = Instant::now();
+        let mut comp: Option<CompoundRecord> = kind.is_compound().then(|| CompoundRecord {
+            victim_workers_linger: victim_cfg.linger_workers && !self.args.worker_linger.is_zero(),
+            ..CompoundRecord::default()
+        });
+        let mut lockd_killed_us: Option<u64> = None;
+        let mut lockd_back_us: Option<u64> = None;
+        let mut expected_new_engine_id = None;
+        let mut compound_reclaimed: Option<bool> = None;
+        let kill_engine = |notes: &mut Vec<String>| -> Result<()> {
+            match victim_pid {
+                Some(p) => {
+                    procs::signal_pid(p, Signal::SIGKILL);
+                    Ok(())
+                }
+                None => {
+                    notes.push("the Active engine's pid is unknown".into());
+                    bail!("round {}: the Active engine's pid is unknown", r + 1)
                 }
             }
-            FailureKind::SupervisorKill => procs::signal_pid(sup_pid, Signal::SIGKILL),
+        };
+        match kind {
+            FailureKind::EngineKill | FailureKind::DetachedWorker | FailureKind::HungWake => {
+                kill_engine(&mut notes)?;
+            }
+            FailureKind::SupervisorKill => self.sigkill_supervisor(a),
             FailureKind::Revoke => {
-                let ep = self.endpoint();
-                match self
-                    .lockd_cmd(
-                        &[
-                            "revoke",
-                            "--connect",
-                            &ep,
-                            "--resource",
-                            RESOURCE,
-                            "--reason",
-                            "supervisor drill",
-                        ],
-                        Duration::from_secs(5),
-                    )
-                    .await
-                {
-                    Ok((true, _)) => {}
-                    Ok((false, t)) => notes.push(format!("lockd revoke failed: {}", t.trim())),
-                    Err(e) => notes.push(format!("lockd revoke: {e:#}")),
+                if let Err(e) = self.revoke(Duration::from_secs(5), false).await {
+                    notes.push(e);
                 }
             }
             FailureKind::LockdCrash => {
-                if let Some(p) = self.lockd_pid {
-                    procs::signal_pid(p, Signal::SIGKILL);
+                self.crash_lockd().await?;
+            }
+            FailureKind::LockdCrashThenSupervisorKill => {
+                // 1. lockd crash and restart; 2. the Active side reclaims its lease (its
+                //    supervisor's `lock_reclaimed` mark); 3. 0-50 ms later its supervisor dies.
+                lockd_killed_us = Some(now_us());
+                self.crash_lockd().await?;
+                lockd_back_us = Some(now_us());
+                let since = lockd_killed_us.unwrap_or(0);
+                let deadline =
+                    Instant::now() + self.args.reconnect_window + self.args.failover_bound;
+                let reclaimed = self
+                    .poll_side_until(a, deadline, |d| {
+                        d.marks
+                            .get("lock_reclaimed")
+                            .is_some_and(|m| u64::try_from(*m).is_ok_and(|m| m >= since))
+                    })
+                    .await;
+                compound_reclaimed = Some(reclaimed);
+                if !reclaimed {
+                    notes.push("the Active side did not reclaim its lease; its supervisor was killed anyway".into());
                 }
-                if let Some(mut l) = self.lockd.take() {
-                    let _ = tokio::time::timeout(Duration::from_secs(5), l.wait()).await;
+                let delay = schedule::compound_delay_us(kind, self.seed, r);
+                std::thread::sleep(Duration::from_micros(delay));
+                t_kill = now_us();
+                kill_at = Instant::now();
+                self.sigkill_supervisor(a);
+                if let Some(c) = comp.as_mut() {
+                    c.delay_us = Some(delay);
+                    c.reclaimer_engine_id = Some(victim_key.0);
+                    c.reclaimed = Some(reclaimed);
                 }
-                self.start_lockd()
+            }
+            FailureKind::RevokeDuringReconnect => {
+                // lockd crash; the revoke goes out as soon as the restarted lockd's socket is
+                // there, while the Active side's lease still waits to be reclaimed (its
+                // client reconnects with a 10 ms, 20 ms, ... backoff).
+                lockd_killed_us = Some(now_us());
+                self.kill_lockd().await;
+                self.spawn_lockd()?;
+                self.wait_socket_accepts(Duration::from_secs(10));
+                lockd_back_us = Some(now_us());
+                self.start_watch()?;
+                t_kill = now_us();
+                kill_at = Instant::now();
+                let res = self.revoke(Duration::from_secs(2), true).await;
+                if let Err(e) = &res {
+                    notes.push(e.clone());
+                }
+                self.wait_lockd_ready()
                     .await
                     .context("restarting lockd after the crash")?;
-                self.start_watch()?;
+                if let Some(c) = comp.as_mut() {
+                    c.revoke_ok = Some(res.is_ok());
+                    c.reclaimer_engine_id = Some(victim_key.0);
+                }
             }
+            FailureKind::LockdCrashDuringWake => {
+                // The engine dies; as soon as the standby is granted (Waking; its engine
+                // wakes slowly) lockd crashes. The waker must reclaim and become Active.
+                if !self.sides[b].as_ref().is_some_and(|i| i.config.slow_wake) {
+                    notes.push("setup: the standby runs without a slow wake".to_string());
+                }
+                kill_engine(&mut notes)?;
+                let waking = self
+                    .poll_side_until(b, kill_at + bound, |d| {
+                        matches!(d.state.as_str(), "waking" | "active" | "dead")
+                    })
+                    .await;
+                let st = self.sides[b]
+                    .as_ref()
+                    .map_or("gone", |i| i.state_name())
+                    .to_string();
+                if !waking || st != "waking" {
+                    notes.push(format!(
+                        "the standby was {st}, not Waking, when lockd was crashed"
+                    ));
+                }
+                lockd_killed_us = Some(now_us());
+                self.crash_lockd().await?;
+                lockd_back_us = Some(now_us());
+                expected_new_engine_id = taker_key.map(|k| k.0);
+                if let Some(c) = comp.as_mut() {
+                    c.reclaimer_engine_id = expected_new_engine_id;
+                }
+            }
+            FailureKind::DoubleKill => {
+                kill_engine(&mut notes)?;
+                let delay = schedule::compound_delay_us(kind, self.seed, r);
+                std::thread::sleep(Duration::from_micros(delay));
+                self.sigkill_supervisor(a);
+                if let Some(c) = comp.as_mut() {
+                    c.delay_us = Some(delay);
+                }
+            }
+        }
+        if let Some(c) = comp.as_mut() {
+            let rel = |t: Option<u64>| t.map(|t| t as i64 - t_kill as i64);
+            c.lockd_killed_rel_us = rel(lockd_killed_us);
+            c.lockd_back_rel_us = rel(lockd_back_us);
         }
 
         // ---- observe
         let mut recovery_us = None;
-        let mut lease_reclaimed = None;
+        let mut lease_reclaimed = compound_reclaimed;
+        let mut victim_self_exit = true;
         if kind == FailureKind::LockdCrash {
-            let settle = self.args.reconnect_window + Duration::from_secs(1);
+            // Nothing may change until the reconnect window is over (a lease not reclaimed by
+            // then goes to a waiter): watch until just past it.
+            let settle = self.args.reconnect_window + Duration::from_millis(250);
             let deadline = kill_at + self.args.reconnect_window + self.args.failover_bound;
             let want = holder_before.as_ref().and_then(|h| h.holder.clone());
             loop {
@@ -1325,10 +1651,13 @@ impl Drill {
                     lease_reclaimed = Some(recovery_us.is_some());
                     break;
                 }
-                tokio::time::sleep(TICK).await;
+                tokio::time::sleep(self.args.poll_interval).await;
             }
         } else {
-            let deadline = kill_at + bound + Duration::from_secs(2);
+            let mut deadline = kill_at + bound + Duration::from_secs(2);
+            if lockd_killed_us.is_some() {
+                deadline += self.args.reconnect_window;
+            }
             loop {
                 self.tick().await;
                 let done_active = self.final_active(victim_key, t_kill).is_some();
@@ -1337,16 +1666,29 @@ impl Drill {
                     || taker_key
                         .and_then(|k| self.find_inc(k))
                         .is_none_or(|i| i.finished());
-                if done_active && victim_done && hung_done {
+                // The waker of a lockd-crash-during-wake round may become Active before its
+                // client reconnects (backoff up to 250 ms): wait for its reclaim too.
+                let reclaim_done = kind != FailureKind::LockdCrashDuringWake
+                    || self.grants.iter().any(|g| g.reclaimed)
+                    || taker_key.and_then(|k| self.find_inc(k)).is_some_and(|i| {
+                        i.state.as_ref().is_some_and(|s| {
+                            s.marks.get("lock_reclaimed").is_some_and(|m| {
+                                u64::try_from(*m)
+                                    .is_ok_and(|m| m >= lockd_killed_us.unwrap_or(u64::MAX))
+                            })
+                        })
+                    });
+                if done_active && victim_done && hung_done && reclaim_done {
                     break;
                 }
                 if Instant::now() > deadline {
                     if !victim_done {
+                        victim_self_exit = false;
                         notes.push("the victim's supervisor had not exited by the deadline; killed (container teardown)".into());
                     }
                     break;
                 }
-                tokio::time::sleep(TICK).await;
+                tokio::time::sleep(self.args.poll_interval).await;
             }
             // Whatever is left of the victim (and of a hung waker) is torn down so the drill
             // can go on; the invariants below were judged on what happened before.
@@ -1404,6 +1746,7 @@ impl Drill {
             })
         });
         let mut grants = self.grants.clone();
+        grants.sort_by_key(|g| g.seen_at_unix_us);
         // Fallback when lockd watch saw no grant: the new Active's Waking transition.
         if kind.expects_failover() && !grants.iter().any(|g| !g.reclaimed) {
             if let Some(fa) = &final_active {
@@ -1422,33 +1765,62 @@ impl Drill {
                     reclaimed: false,
                     previous_engine_id: Some(victim_key.0),
                     previous_alive_pids: alive,
+                    previous_checked: self.find_inc(victim_key).map_or(0, |i| i.engine_pids.len()),
                 });
             }
         }
         let mut transitions_after_kill = Vec::new();
-        let mut intervals = Vec::new();
+        let mut lives = Vec::new();
         for i in self.sides.iter().flatten().chain(self.retired.iter()) {
             for t in i.transitions().iter().filter(|t| t.at_unix_us >= t_kill) {
                 transitions_after_kill.push((i.engine_id, t.clone()));
             }
-            let ts = i.transitions();
-            for (idx, t) in ts.iter().enumerate().filter(|(_, t)| t.to == "active") {
-                let to_us = ts
-                    .get(idx + 1)
-                    .map(|n| n.at_unix_us)
-                    .or_else(|| i.exited.as_ref().map(|x| x.0));
-                if to_us.is_none_or(|e| e >= t_kill) {
-                    intervals.push(ActiveInterval {
-                        engine_id: i.engine_id,
-                        incarnation: i.n,
-                        from_us: t.at_unix_us,
-                        to_us,
-                    });
-                }
+            lives.push(LifeTransitions {
+                engine_id: i.engine_id,
+                incarnation: i.n,
+                transitions: i.transitions(),
+                exited_us: match (i.exited.as_ref().map(|x| x.0), i.sigkilled_us) {
+                    (Some(x), Some(k)) => Some(x.min(k)),
+                    (x, _) => x,
+                },
+            });
+        }
+        let intervals = invariants::active_intervals(&lives, t_kill);
+        // Compound rounds: what the lockd crash had to leave in place, and whether the
+        // revoked side fenced itself.
+        let victim = self.find_inc(victim_key);
+        let reclaim_mark = |inc: Option<&Inc>| -> Option<u64> {
+            let since = lockd_killed_us?;
+            inc?.state
+                .as_ref()?
+                .marks
+                .get("lock_reclaimed")
+                .and_then(|m| u64::try_from(*m).ok())
+                .filter(|m| *m >= since)
+        };
+        if kind == FailureKind::LockdCrashDuringWake {
+            let waker = taker_key.and_then(|k| self.find_inc(k));
+            let by_watch = grants.iter().any(|g| g.reclaimed);
+            let ok = reclaim_mark(waker).is_some() || by_watch;
+            lease_reclaimed = Some(ok);
+            if let Some(c) = comp.as_mut() {
+                c.reclaimed = Some(ok);
             }
         }
-        intervals.sort_by_key(|iv| (iv.from_us, iv.engine_id, iv.incarnation));
-        intervals.dedup();
+        let mut victim_fenced = None;
+        if kind == FailureKind::RevokeDuringReconnect {
+            let dead = victim.is_some_and(|v| {
+                invariants::first_after(v.transitions(), "dead", t_kill).is_some()
+            });
+            victim_fenced =
+                Some(dead || victim_self_exit && victim.is_some_and(|v| v.exited.is_some()));
+            let mark = reclaim_mark(victim);
+            if let Some(c) = comp.as_mut() {
+                c.reclaimed = Some(mark.is_some());
+                c.revoked_before_reclaim = Some(mark.is_none_or(|m| m >= t_kill));
+            }
+        }
+        let fence = invariants::fence_check(&grants);
         let obs = RoundObs {
             kind: Some(kind),
             bound_us: bound.as_micros() as u64,
@@ -1462,11 +1834,12 @@ impl Drill {
             transitions_after_kill,
             lease_reclaimed,
             active_intervals: intervals,
+            expected_new_engine_id,
+            victim_fenced,
         };
         let violations = invariants::check_round(&obs);
 
         // ---- measure
-        let victim = self.find_inc(victim_key);
         let t_old_dead = victim.and_then(|v| {
             // Its Dead transition; a SIGKILLed supervisor has none: then the moment its exit
             // was seen (the container is gone: the runtime kills the rest), which the drill
@@ -1539,6 +1912,15 @@ impl Drill {
                 recovery_us = Some(*t);
             }
         }
+        if let Some(g) = victim.and_then(|v| v.engine_gone_us) {
+            // When the drill (polling) first saw every process of the old engine dead.
+            if g >= t_kill {
+                marks_after_kill_us.insert("drill.old_engine_gone".into(), g - t_kill);
+            }
+        }
+        if kind.expects_failover() && fence.is_none_or(|(n, _)| n == 0) {
+            notes.push("no process of the old engine was checked at the grant".into());
+        }
         let epoch_after = final_active
             .as_ref()
             .and_then(|f| f.epoch)
@@ -1561,7 +1943,54 @@ impl Drill {
             violations,
             marks_after_kill_us,
             notes,
+            fence_pids_checked: fence.map(|f| f.0),
+            fence_pids_alive: fence.map(|f| f.1),
+            compound: comp,
+            round_wall_us: None,
         })
+    }
+
+    /// SIGKILL of a side's supervisor (its container is torn down `--teardown-delay` after it
+    /// died).
+    fn sigkill_supervisor(&mut self, side: usize) {
+        if let Some(i) = self.sides[side].as_mut() {
+            i.sigkilled_at = Some(Instant::now());
+            i.sigkilled_us = Some(now_us());
+            procs::signal_pid(i.sup_pid, Signal::SIGKILL);
+        }
+    }
+
+    /// `lockd revoke` of the resource; with `retry`, tried again every 2 ms until it succeeds
+    /// or `timeout` passes (lockd just restarted: its socket may not accept yet).
+    async fn revoke(&self, timeout: Duration, retry: bool) -> std::result::Result<(), String> {
+        let ep = self.endpoint();
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let err = match self
+                .lockd_cmd(
+                    &[
+                        "revoke",
+                        "--connect",
+                        &ep,
+                        "--resource",
+                        RESOURCE,
+                        "--reason",
+                        "supervisor drill",
+                    ],
+                    left.max(Duration::from_millis(100)),
+                )
+                .await
+            {
+                Ok((true, _)) => return Ok(()),
+                Ok((false, t)) => format!("lockd revoke failed: {}", t.trim()),
+                Err(e) => format!("lockd revoke: {e:#}"),
+            };
+            if !retry || Instant::now() >= deadline {
+                return Err(err);
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
     }
 
     /// The first incarnation other than the victim that entered Active after the kill.
@@ -1600,11 +2029,20 @@ impl Drill {
         for p in &self.all_pids {
             p.kill();
         }
-        if let Some(mut w) = self.watch.take() {
+        for mut w in self
+            .watch
+            .take()
+            .into_iter()
+            .chain(self.old_watches.drain(..))
+        {
             let _ = w.start_kill();
             let _ = tokio::time::timeout(Duration::from_secs(2), w.wait()).await;
         }
         if let Some(mut l) = self.lockd.take() {
+            let _ = l.start_kill();
+            let _ = tokio::time::timeout(Duration::from_secs(2), l.wait()).await;
+        }
+        for mut l in self.load.drain(..) {
             let _ = l.start_kill();
             let _ = tokio::time::timeout(Duration::from_secs(2), l.wait()).await;
         }
@@ -1669,6 +2107,21 @@ impl Drill {
             EXIT_OK
         };
         print!("{}", report::summary_table(&summary));
+        let rpm = match (self.rounds_started, self.rounds_ended) {
+            (Some(a), Some(b)) => {
+                report::rounds_per_minute(self.records.len(), (b - a).as_micros() as u64)
+            }
+            _ => None,
+        };
+        if let (Some(rpm), Some(a), Some(b)) = (rpm, self.rounds_started, self.rounds_ended) {
+            println!(
+                "{} rounds in {:.1}s: {rpm:.1} rounds/min (load {}, reconnect window {})",
+                self.records.len(),
+                (b - a).as_secs_f64(),
+                self.args.load,
+                humantime::format_duration(self.args.reconnect_window)
+            );
+        }
         for r in self.records.iter().filter(|r| !r.violations.is_empty()) {
             for v in &r.violations {
                 println!("violation in round {} ({}): {v}", r.round, r.kind);
@@ -1697,6 +2150,12 @@ impl Drill {
             aborted: self.aborted.clone(),
             exit_code: code,
             rounds: self.records.clone(),
+            load: self.args.load,
+            worker_linger_ms: self.args.worker_linger.as_millis() as u64,
+            reconnect_window_ms: self.args.reconnect_window.as_millis() as u64,
+            gpu_sim: self.gpu_sim.is_some(),
+            stop_on_violation: self.args.stop_on_violation,
+            rounds_per_minute: rpm,
         };
         if let Some(p) = &self.args.report {
             match serde_json::to_string_pretty(&rep) {

@@ -27,10 +27,24 @@ pub enum FailureKind {
     LockdCrash,
     /// `lockd revoke` of the Active side's lease: it must fence itself.
     Revoke,
+    /// Compound: lockd is SIGKILLed and restarted, the Active side reclaims its lease, then
+    /// (0-50 ms later) the Active supervisor is SIGKILLed. Its engine's workers linger after
+    /// the engine (`--worker-linger`): the lease must not move while any of them lives.
+    LockdCrashThenSupervisorKill,
+    /// Compound: lockd is SIGKILLed and restarted, and the lease is revoked while it is still
+    /// waiting to be reclaimed. The old Active must learn it is revoked and fence itself.
+    RevokeDuringReconnect,
+    /// Compound: the Active engine is SIGKILLed; as soon as the standby is granted (Waking,
+    /// its engine slow to wake), lockd is SIGKILLed and restarted. The waker must reclaim
+    /// and become Active.
+    LockdCrashDuringWake,
+    /// Compound: the Active engine's main process is SIGKILLed and, 0-5 ms later, its
+    /// supervisor (while it fences).
+    DoubleKill,
 }
 
 impl FailureKind {
-    /// Every kind, in round-robin order.
+    /// The six single-failure kinds, in round-robin order (what `--kinds all` means).
     pub const ALL: [FailureKind; 6] = [
         FailureKind::EngineKill,
         FailureKind::SupervisorKill,
@@ -38,6 +52,28 @@ impl FailureKind {
         FailureKind::HungWake,
         FailureKind::LockdCrash,
         FailureKind::Revoke,
+    ];
+
+    /// The compound kinds (`--kinds compound`), in round-robin order.
+    pub const COMPOUND: [FailureKind; 4] = [
+        FailureKind::LockdCrashThenSupervisorKill,
+        FailureKind::RevokeDuringReconnect,
+        FailureKind::LockdCrashDuringWake,
+        FailureKind::DoubleKill,
+    ];
+
+    /// Every kind the drill knows: [`Self::ALL`] then [`Self::COMPOUND`] (summary order).
+    pub const EVERY: [FailureKind; 10] = [
+        FailureKind::EngineKill,
+        FailureKind::SupervisorKill,
+        FailureKind::DetachedWorker,
+        FailureKind::HungWake,
+        FailureKind::LockdCrash,
+        FailureKind::Revoke,
+        FailureKind::LockdCrashThenSupervisorKill,
+        FailureKind::RevokeDuringReconnect,
+        FailureKind::LockdCrashDuringWake,
+        FailureKind::DoubleKill,
     ];
 
     /// The name used on the command line, in logs and in the report.
@@ -49,7 +85,27 @@ impl FailureKind {
             FailureKind::HungWake => "hung-wake",
             FailureKind::LockdCrash => "lockd-crash",
             FailureKind::Revoke => "revoke",
+            FailureKind::LockdCrashThenSupervisorKill => "lockd-crash-then-supervisor-kill",
+            FailureKind::RevokeDuringReconnect => "revoke-during-reconnect",
+            FailureKind::LockdCrashDuringWake => "lockd-crash-during-wake",
+            FailureKind::DoubleKill => "double-kill",
         }
+    }
+
+    /// Whether the kind injects two failures (the `compound` set).
+    pub fn is_compound(self) -> bool {
+        Self::COMPOUND.contains(&self)
+    }
+
+    /// Whether the kind SIGKILLs and restarts lockd.
+    pub fn crashes_lockd(self) -> bool {
+        matches!(
+            self,
+            FailureKind::LockdCrash
+                | FailureKind::LockdCrashThenSupervisorKill
+                | FailureKind::RevokeDuringReconnect
+                | FailureKind::LockdCrashDuringWake
+        )
     }
 
     /// Whether the round must end with another engine Active (every kind but a lockd crash).
@@ -59,7 +115,10 @@ impl FailureKind {
 
     /// Whether the kind needs fake-engine flags (so it cannot drill a real engine command).
     pub fn needs_fake_engine(self) -> bool {
-        matches!(self, FailureKind::DetachedWorker | FailureKind::HungWake)
+        matches!(
+            self,
+            FailureKind::DetachedWorker | FailureKind::HungWake | FailureKind::LockdCrashDuringWake
+        )
     }
 }
 
@@ -71,21 +130,22 @@ impl fmt::Display for FailureKind {
 
 /// An unknown failure kind on the command line.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown failure kind {0:?} (expected one of engine-kill, supervisor-kill, detached-worker, hung-wake, lockd-crash, revoke, all)")]
+#[error("unknown failure kind {0:?} (expected one of engine-kill, supervisor-kill, detached-worker, hung-wake, lockd-crash, revoke, lockd-crash-then-supervisor-kill, revoke-during-reconnect, lockd-crash-during-wake, double-kill, all, compound)")]
 pub struct UnknownKind(pub String);
 
 impl FromStr for FailureKind {
     type Err = UnknownKind;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        FailureKind::ALL
+        FailureKind::EVERY
             .into_iter()
             .find(|k| k.name() == s.trim())
             .ok_or_else(|| UnknownKind(s.to_string()))
     }
 }
 
-/// Parses `--kinds`: comma-separated names or `all`; keeps the first occurrence of each
-/// kind in the order given (that is the round-robin order).
+/// Parses `--kinds`: comma-separated names, `all` (the six single-failure kinds) or
+/// `compound` (the four compound kinds); keeps the first occurrence of each kind in the order
+/// given (that is the round-robin order).
 pub fn parse_kinds(list: &[String]) -> Result<Vec<FailureKind>, UnknownKind> {
     let mut out: Vec<FailureKind> = Vec::new();
     for item in list.iter().flat_map(|s| s.split(',')) {
@@ -93,10 +153,15 @@ pub fn parse_kinds(list: &[String]) -> Result<Vec<FailureKind>, UnknownKind> {
         if item.is_empty() {
             continue;
         }
-        if item == "all" {
-            for k in FailureKind::ALL {
-                if !out.contains(&k) {
-                    out.push(k);
+        let set: &[FailureKind] = match item {
+            "all" => &FailureKind::ALL,
+            "compound" => &FailureKind::COMPOUND,
+            _ => &[],
+        };
+        if !set.is_empty() {
+            for k in set {
+                if !out.contains(k) {
+                    out.push(*k);
                 }
             }
             continue;
@@ -152,6 +217,14 @@ pub struct EngineConfig {
     /// `--wake 1h` plus a short supervisor `--waking-timeout`: the standby of a hung-wake
     /// round, which must be granted, hang, and be fenced.
     pub hung_wake: bool,
+    /// `--worker-linger`: the Active of a compound round (its workers outlive the engine's
+    /// main process for a while, as tensor-parallel workers tearing down CUDA do).
+    #[serde(default)]
+    pub linger_workers: bool,
+    /// `--wake 300ms`: the standby of a lockd-crash-during-wake round (a window in Waking
+    /// for the lockd crash).
+    #[serde(default)]
+    pub slow_wake: bool,
 }
 
 /// The configuration for an incarnation that will be Active from round `from` on: it is the
@@ -165,6 +238,8 @@ pub fn active_config(sched: &[FailureKind], from: usize) -> EngineConfig {
     EngineConfig {
         detach_workers: victim_kind == Some(&FailureKind::DetachedWorker),
         hung_wake: false,
+        linger_workers: victim_kind.is_some_and(|k| k.is_compound()),
+        slow_wake: false,
     }
 }
 
@@ -179,11 +254,29 @@ pub fn standby_config(sched: &[FailureKind], round: usize) -> EngineConfig {
     match sched.get(r) {
         None => EngineConfig::default(),
         Some(FailureKind::HungWake) => EngineConfig {
-            detach_workers: false,
             hung_wake: true,
+            ..EngineConfig::default()
+        },
+        // The slow waker becomes the Active of the next round: it needs that round's flags too.
+        Some(FailureKind::LockdCrashDuringWake) => EngineConfig {
+            slow_wake: true,
+            ..active_config(sched, r + 1)
         },
         Some(_) => active_config(sched, r + 1),
     }
+}
+
+/// The seeded delay (microseconds) between the two failures of a compound round: for
+/// `lockd-crash-then-supervisor-kill` 0-50 ms after the reclaim, for `double-kill` 0-5 ms
+/// after the engine kill, 0 for the others. Reproducible from (seed, round).
+pub fn compound_delay_us(kind: FailureKind, seed: u64, round: usize) -> u64 {
+    let max_us = match kind {
+        FailureKind::LockdCrashThenSupervisorKill => 50_000,
+        FailureKind::DoubleKill => 5_000,
+        _ => return 0,
+    };
+    let mut rng = StdRng::seed_from_u64(seed ^ (round as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    rng.gen_range(0..=max_us)
 }
 
 #[cfg(test)]
@@ -260,5 +353,68 @@ mod tests {
         let s2 = [Revoke, DetachedWorker];
         assert!(standby_config(&s2, 0).detach_workers);
         assert_eq!(standby_config(&s2, 5), EngineConfig::default());
+    }
+
+    #[test]
+    fn compound_kinds_parse_by_name_and_alias_and_all_stays_six() {
+        assert_eq!(
+            parse_kinds(&["compound".into()]).unwrap(),
+            FailureKind::COMPOUND.to_vec()
+        );
+        assert_eq!(parse_kinds(&["all".into()]).unwrap().len(), 6);
+        assert_eq!(
+            parse_kinds(&["double-kill,all,compound".into()])
+                .unwrap()
+                .len(),
+            10
+        );
+        for k in FailureKind::EVERY {
+            assert_eq!(k.name().parse::<FailureKind>().unwrap(), k);
+            assert_eq!(
+                serde_json::to_string(&k).unwrap(),
+                format!("\"{}\"", k.name())
+            );
+            assert_eq!(k.is_compound(), !FailureKind::ALL.contains(&k));
+            assert!(k.expects_failover() || k == LockdCrash);
+        }
+        assert!(LockdCrashDuringWake.needs_fake_engine());
+        assert!(!LockdCrashThenSupervisorKill.needs_fake_engine());
+        assert!(RevokeDuringReconnect.crashes_lockd() && !DoubleKill.crashes_lockd());
+    }
+
+    #[test]
+    fn compound_victims_linger_and_the_waker_wakes_slowly() {
+        let s = [
+            EngineKill,
+            LockdCrashThenSupervisorKill,
+            LockdCrashDuringWake,
+            DoubleKill,
+        ];
+        // Active for round 0 (engine-kill): plain. Standby of round 0 is the Active of round 1.
+        assert_eq!(active_config(&s, 0), EngineConfig::default());
+        assert!(standby_config(&s, 0).linger_workers);
+        // Active of round 2 (lockd-crash-during-wake) is its victim: lingers.
+        assert!(active_config(&s, 2).linger_workers);
+        // The standby of round 2 wakes slowly and is the Active (victim) of round 3.
+        let w = standby_config(&s, 2);
+        assert!(w.slow_wake && w.linger_workers && !w.hung_wake);
+        // A lockd crash in between is skipped.
+        let s2 = [LockdCrash, DoubleKill];
+        assert!(active_config(&s2, 0).linger_workers);
+    }
+
+    #[test]
+    fn compound_delays_are_seeded_and_bounded() {
+        for r in 0..200 {
+            let a = compound_delay_us(LockdCrashThenSupervisorKill, 7, r);
+            assert!(a <= 50_000);
+            assert_eq!(a, compound_delay_us(LockdCrashThenSupervisorKill, 7, r));
+            assert!(compound_delay_us(DoubleKill, 7, r) <= 5_000);
+            assert_eq!(compound_delay_us(EngineKill, 7, r), 0);
+        }
+        let v: Vec<u64> = (0..50)
+            .map(|r| compound_delay_us(LockdCrashThenSupervisorKill, 1, r))
+            .collect();
+        assert!(v.iter().any(|d| *d < 25_000) && v.iter().any(|d| *d >= 25_000));
     }
 }

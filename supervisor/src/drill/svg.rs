@@ -21,6 +21,10 @@ fn kind_color(k: FailureKind) -> RGBColor {
         FailureKind::HungWake => RGBColor(214, 39, 40),
         FailureKind::LockdCrash => RGBColor(148, 103, 189),
         FailureKind::Revoke => RGBColor(140, 86, 75),
+        FailureKind::LockdCrashThenSupervisorKill => RGBColor(227, 119, 194),
+        FailureKind::RevokeDuringReconnect => RGBColor(127, 127, 127),
+        FailureKind::LockdCrashDuringWake => RGBColor(188, 189, 34),
+        FailureKind::DoubleKill => RGBColor(23, 190, 207),
     }
 }
 
@@ -29,6 +33,9 @@ const PHASES: [(&str, RGBColor); 3] = [
     ("old dead -> lease granted", RGBColor(188, 189, 34)),
     ("granted -> new Active", RGBColor(23, 190, 207)),
 ];
+
+/// Number of failure kinds (histogram columns).
+const KINDS: usize = FailureKind::EVERY.len();
 
 /// Histogram bins per decade of milliseconds.
 pub const BINS_PER_DECADE: u32 = 8;
@@ -46,15 +53,15 @@ pub fn bin_edge(bin: i32) -> f64 {
 }
 
 /// Histogram counts on the log scale: `(first bin, counts)` where `counts[j]` holds, for bin
-/// `first + j`, the rounds per kind in `FailureKind::ALL` order. Only failover kinds with a
+/// `first + j`, the rounds per kind in `FailureKind::EVERY` order. Only failover kinds with a
 /// measured time are counted.
-pub fn histogram(rounds: &[RoundRecord]) -> (i32, Vec<[u32; 6]>) {
+pub fn histogram(rounds: &[RoundRecord]) -> (i32, Vec<[u32; KINDS]>) {
     let items: Vec<(i32, usize)> = rounds
         .iter()
         .filter(|r| r.kind.expects_failover())
         .filter_map(|r| {
             let us = r.phases.total_us?;
-            let k = FailureKind::ALL.iter().position(|k| *k == r.kind)?;
+            let k = FailureKind::EVERY.iter().position(|k| *k == r.kind)?;
             Some((log_bin(us as f64 / 1000.0), k))
         })
         .collect();
@@ -62,7 +69,7 @@ pub fn histogram(rounds: &[RoundRecord]) -> (i32, Vec<[u32; 6]>) {
         return (0, Vec::new());
     };
     let last = items.iter().map(|(b, _)| *b).max().unwrap_or(first);
-    let mut counts = vec![[0u32; 6]; (last - first + 1) as usize];
+    let mut counts = vec![[0u32; KINDS]; (last - first + 1) as usize];
     for (b, k) in items {
         counts[(b - first) as usize][k] += 1;
     }
@@ -137,7 +144,7 @@ fn draw(
         .y_label_formatter(&|v| format!("{v:.0}"))
         .draw()
         .map_err(|x| e(&x))?;
-    for (ki, kind) in FailureKind::ALL.iter().enumerate() {
+    for (ki, kind) in FailureKind::EVERY.iter().enumerate() {
         if !kind.expects_failover()
             || !rounds
                 .iter()

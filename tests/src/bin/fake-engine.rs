@@ -9,6 +9,22 @@
 //! the engine never slept) the engine takes `flock(LOCK_EX|LOCK_NB)` on it. The claim lives
 //! until the last process of the engine has died. A claim already held by another engine is a
 //! split brain: a JSON line goes to `PATH.violations`, the log says so, `/wake_up` answers 500.
+//!
+//! `--worker-linger DUR` models tensor-parallel workers whose exit (CUDA context teardown)
+//! finishes after their parent is gone: a (non-detached) worker notices its parent's exit
+//! through a pidfd instead of dying with it, keeps every inherited fd (the GPU claim, lock
+//! fds) for DUR, then exits. A SIGKILL still kills it at once.
+//!
+//! `--gpu-sim DIR` registers the engine's processes on a simulated device
+//! (`gms_client::simdev`, the supervisor's `--gpu-sim`) as vLLM uses device memory:
+//! `--gpu-sim-bytes` each, allocated at load, released on sleep (weights offloaded, KV cache
+//! dropped), allocated again on wake. An entry counts only while its process lives, so a
+//! lingering worker keeps its memory there.
+//!
+//! `--workers-close-lock-fds` makes workers close the descriptors the supervisor handed the
+//! engine (`LOCKD_FD`, `LOCKD_ANCHOR_FD`), as workers started with Python's `spawn` method
+//! (which closes every inherited descriptor) do: lockd can only know them through the
+//! supervisor's process anchors (pidfds).
 
 use std::convert::Infallible;
 use std::fs::{File, OpenOptions};
@@ -74,6 +90,10 @@ struct Args {
     /// Workers setsid(), ignore SIGTERM and outlive the engine (vllm-project/vllm#55510).
     #[arg(long, env = "FAKE_ENGINE_DETACH_WORKERS")]
     detach_workers: bool,
+    /// Workers close the lock descriptors the engine inherited (`LOCKD_FD`,
+    /// `LOCKD_ANCHOR_FD`), as Python's `spawn` start method does.
+    #[arg(long, env = "FAKE_ENGINE_WORKERS_CLOSE_LOCK_FDS")]
+    workers_close_lock_fds: bool,
     /// Engine id named in completions and logs (the supervisor sets ENGINE_ID).
     #[arg(long, env = "ENGINE_ID", default_value_t = 0)]
     engine_id: u32,
@@ -87,27 +107,91 @@ struct Args {
     /// Write the engine's and its workers' pids here (one per line) once spawned.
     #[arg(long, env = "FAKE_ENGINE_PID_FILE")]
     pid_file: Option<PathBuf>,
+    /// Non-detached workers outlive the engine's main process by this long (they notice its
+    /// exit and linger, holding every inherited fd, then exit). 0: they die with it.
+    #[arg(long, env = "FAKE_ENGINE_WORKER_LINGER", value_parser = dur, default_value = "0s")]
+    worker_linger: Duration,
+    /// Simulated GPU directory (`gms_client::simdev` format): register the engine's processes
+    /// there while the GPU claim is held.
+    #[arg(long, env = "FAKE_ENGINE_GPU_SIM")]
+    gpu_sim: Option<PathBuf>,
+    /// Bytes each process registers on the simulated GPU.
+    #[arg(long, env = "FAKE_ENGINE_GPU_SIM_BYTES", default_value_t = 20 << 30)]
+    gpu_sim_bytes: u64,
 }
 
-/// Hidden worker entry point: `fake-engine __worker <parent-pid> <detach 0|1> <claim-path|->`.
-fn worker_main(parent: i32, detach: bool) -> ! {
+/// Hidden worker entry point:
+/// `fake-engine __worker <parent-pid> <detach 0|1> <claim-path|-> [<linger-ms>]`.
+fn worker_main(parent: i32, detach: bool, linger: Duration) -> ! {
+    if std::env::var_os(WORKER_CLOSE_ENV).is_some() {
+        for var in ["LOCKD_FD", "LOCKD_ANCHOR_FD"] {
+            if let Some(fd) = std::env::var(var).ok().and_then(|v| v.parse::<i32>().ok()) {
+                // SAFETY: closing a descriptor number this process inherited and never uses.
+                unsafe { libc::close(fd) };
+            }
+        }
+    }
     // SAFETY: plain libc calls in a single-threaded process.
     unsafe {
         if detach {
             libc::setsid();
             libc::signal(libc::SIGTERM, libc::SIG_IGN);
-        } else {
+        } else if linger.is_zero() {
             // Die with the engine, as vLLM's workers do.
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
             if libc::getppid() != parent {
                 libc::_exit(0);
             }
+        } else {
+            // Outlive the engine by `linger` (CUDA teardown after the parent is gone).
+            wait_for_parent_exit(parent);
+            std::thread::sleep(linger);
+            libc::_exit(0);
         }
     }
     loop {
         std::thread::sleep(Duration::from_secs(3600));
     }
 }
+
+/// Blocks until `parent` has exited: a pidfd on it (readable once it exits), or, where
+/// pidfds are missing, polling getppid() every millisecond.
+fn wait_for_parent_exit(parent: i32) {
+    // SAFETY: plain syscalls on integers and an fd we own.
+    unsafe {
+        let fd = libc::syscall(libc::SYS_pidfd_open, parent, 0) as i32;
+        // Opened after the parent may have died: then getppid() already differs.
+        if fd >= 0 && libc::getppid() == parent {
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            while libc::poll(&mut p, 1, -1) < 0 {}
+            libc::close(fd);
+            return;
+        }
+        if fd >= 0 {
+            libc::close(fd);
+        }
+        while libc::getppid() == parent {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// Register `pids` with `bytes` each on the simulated GPU in `dir`.
+fn gpu_sim_register(dir: &std::path::Path, pids: &[u32], bytes: u64) {
+    for p in pids {
+        if let Err(e) = gms_client::simdev::register(dir, *p, bytes) {
+            tracing::warn!(pid = p, error = %e, "gpu-sim: cannot register");
+        }
+    }
+    tracing::info!(pids = ?pids, bytes, "gpu-sim: allocated");
+}
+
+/// Set in a worker's environment by `--workers-close-lock-fds`.
+const WORKER_CLOSE_ENV: &str = "FAKE_ENGINE_WORKER_CLOSES_LOCK_FDS";
 
 /// Mutable engine state.
 #[derive(Debug, Default)]
@@ -131,6 +215,8 @@ struct Engine {
     claim: Option<File>,
     /// Sleep/claim state.
     state: Mutex<EngState>,
+    /// The engine's pid and its workers' (registered on the simulated GPU with the claim).
+    pids: Vec<u32>,
 }
 
 fn unix_us() -> i64 {
@@ -143,6 +229,29 @@ fn unix_us() -> i64 {
 impl Engine {
     /// Take the GPU claim. Err(message) on split brain.
     fn claim(&self) -> Result<(), String> {
+        self.flock_claim()
+    }
+
+    /// Allocate device memory on the simulated GPU (load, wake): every process of the engine.
+    fn gpu_alloc(&self) {
+        if let Some(dir) = &self.args.gpu_sim {
+            gpu_sim_register(dir, &self.pids, self.args.gpu_sim_bytes);
+        }
+    }
+
+    /// Release it (sleep).
+    fn gpu_free(&self) {
+        if let Some(dir) = &self.args.gpu_sim {
+            for p in &self.pids {
+                if let Err(e) = gms_client::simdev::unregister(dir, *p) {
+                    tracing::warn!(pid = p, error = %e, "gpu-sim: cannot unregister");
+                }
+            }
+            tracing::info!(engine_id = self.args.engine_id, "gpu-sim: released");
+        }
+    }
+
+    fn flock_claim(&self) -> Result<(), String> {
         let Some(f) = &self.claim else { return Ok(()) };
         // SAFETY: flock on an fd we own.
         let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
@@ -212,6 +321,7 @@ async fn do_sleep(e: &Engine) -> Response<Full<Bytes>> {
     if was_claimed {
         e.unclaim();
     }
+    e.gpu_free();
     tracing::info!(engine_id = e.args.engine_id, "sleeping");
     reply(StatusCode::OK, "{}".into())
 }
@@ -233,6 +343,9 @@ async fn do_wake(e: &Engine) -> Response<Full<Bytes>> {
                 serde_json::json!({ "error": msg }).to_string(),
             );
         }
+    }
+    if e.st().sleeping {
+        e.gpu_alloc();
     }
     let mut s = e.st();
     s.claimed = true;
@@ -322,7 +435,11 @@ fn main() -> anyhow::Result<()> {
     if argv.get(1).map(String::as_str) == Some("__worker") {
         let parent = argv.get(2).and_then(|s| s.parse().ok()).unwrap_or(0);
         let detach = argv.get(3).map(String::as_str) == Some("1");
-        worker_main(parent, detach);
+        let linger = argv
+            .get(5)
+            .and_then(|s| s.parse().ok())
+            .map_or(Duration::ZERO, Duration::from_millis);
+        worker_main(parent, detach, linger);
     }
     let args = Args::parse();
     tracing_subscriber::fmt()
@@ -373,6 +490,11 @@ fn main() -> anyhow::Result<()> {
                     .as_deref()
                     .unwrap_or(std::path::Path::new("-")),
             )
+            .arg(args.worker_linger.as_millis().to_string())
+            .envs(
+                args.workers_close_lock_fds
+                    .then_some((WORKER_CLOSE_ENV, "1")),
+            )
             .stdin(Stdio::null())
             .arg0("fake-engine-worker")
             .spawn()?;
@@ -389,9 +511,14 @@ fn main() -> anyhow::Result<()> {
         pid = me,
         workers = ?&pids[1..],
         detach = args.detach_workers,
+        worker_linger_ms = args.worker_linger.as_millis() as u64,
         "fake-engine loading"
     );
     std::thread::sleep(args.init);
+    // The model is loaded: its memory is allocated (released again on sleep).
+    if let Some(dir) = &args.gpu_sim {
+        gpu_sim_register(dir, &pids, args.gpu_sim_bytes);
+    }
     if args.fail_at == Some(FailAt::Init) {
         tracing::error!(
             engine_id = args.engine_id,
@@ -414,6 +541,7 @@ fn main() -> anyhow::Result<()> {
             args,
             claim,
             state: Mutex::new(EngState::default()),
+            pids,
         });
         loop {
             let (stream, _) = match listener.accept().await {
