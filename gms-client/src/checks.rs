@@ -119,8 +119,9 @@ pub struct ChecksConfig {
     pub gpu_sim: Option<PathBuf>,
     /// `--memory-release-timeout`: bound of `after_reap` and of the free-memory wait.
     pub memory_release_timeout: Duration,
-    /// `--min-free-memory`: free memory the engine needs before it wakes (default: 50% of
-    /// the device); also a lower bound of the after-reap target.
+    /// `--min-free-memory`: free memory the engine needs before it wakes (default
+    /// [`MinFree::Auto`]: what the engine released at its last sleep); also a lower bound of
+    /// the after-reap target.
     pub min_free_memory: MinFree,
     /// Bound of every GMS interaction in `at_standby` / `before_wake`.
     pub handshake_timeout: Duration,

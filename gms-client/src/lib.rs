@@ -1,5 +1,5 @@
 //! gms-client: speaks the GPU Memory Service (GMS) protocol of Dynamo's
-//! `gpu_memory_service` sidecar (see `shared/spec/gms-wire.md`), and provides
+//! `gpu_memory_service` sidecar (see `docs/GMS-WIRE.md`), and provides
 //!
 //! * [`protocol`] / [`wire`]: every message, byte-exact msgpack framing, SCM_RIGHTS fds;
 //! * [`lock`] / [`core`]: the server's pure lock state machine and store;

@@ -1,4 +1,4 @@
-//! GMS wire protocol: every message of `shared/spec/gms-wire.md`, encoded and decoded
+//! GMS wire protocol: every message of `docs/GMS-WIRE.md`, encoded and decoded
 //! byte for byte as Dynamo's reference encoder (msgspec) does.
 //!
 //! * A frame is a 4-byte big-endian length followed by a msgpack map.

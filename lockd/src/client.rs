@@ -565,6 +565,14 @@ impl Task {
         }
     }
 
+    /// Remember a process anchor for the next reconnects, dropping those whose process has
+    /// exited (an engine that keeps starting short-lived helpers must not grow the list).
+    fn keep_process_anchor(&mut self, fd: Arc<OwnedFd>) {
+        self.process_anchors
+            .retain(|a| !poll_readable(a.as_raw_fd()));
+        self.process_anchors.push(fd);
+    }
+
     fn lose_unconfirmed(&mut self, cause: &str) {
         let lost: Vec<String> = self
             .held
@@ -704,7 +712,7 @@ impl Task {
             }
             Some(Cmd::Anchor { fd, ack }) => {
                 // Attached with the others on the next connection.
-                self.process_anchors.push(fd);
+                self.keep_process_anchor(fd);
                 let _ = ack.send(());
                 true
             }
@@ -757,7 +765,7 @@ impl Task {
                         }
                         Some(Cmd::Anchor { fd, ack }) => {
                             let r = s.send_anchor(&fd).await;
-                            self.process_anchors.push(fd);
+                            self.keep_process_anchor(fd);
                             let _ = ack.send(());
                             if let Err(e) = r {
                                 return Flow::Broken(format!("write failed: {e}"));

@@ -322,7 +322,7 @@ pub struct SessionReport {
     pub anchors: u32,
 }
 
-/// One resource as shown in status (fields required by interfaces.md first).
+/// One resource as shown in status (fields required by docs/INTERFACES.md first).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ResourceReport {
     /// Resource name.

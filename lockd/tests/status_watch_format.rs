@@ -1,4 +1,4 @@
-//! `lockd status` prints the JSON object of interfaces.md (with SO_PEERCRED pid/uid/gid);
+//! `lockd status` prints the JSON object of docs/INTERFACES.md (with SO_PEERCRED pid/uid/gid);
 //! `lockd watch` streams grants, releases, expirations and revocations as JSON lines.
 mod common;
 use common::*;

@@ -21,7 +21,7 @@ pub use metrics::Metrics;
 pub use server::{serve, ProbeError};
 pub use verdict::{live, ready, startup, ProbeView};
 
-/// The externally visible lifecycle phase of the engine (interfaces.md: `/state.state`).
+/// The externally visible lifecycle phase of the engine (docs/INTERFACES.md: `/state.state`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
 #[serde(rename_all = "lowercase")]
 pub enum Phase {

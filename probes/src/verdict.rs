@@ -1,6 +1,6 @@
 //! Pure probe verdicts: phase + last health result + clock -> healthy or not.
 //!
-//! These follow interfaces.md ("Probe endpoints") and Decision 2 of the design doc.
+//! These follow docs/INTERFACES.md (probe endpoints) and Decision 2 (docs/DECISIONS.md).
 
 use std::time::Instant;
 
@@ -55,7 +55,7 @@ mod tests {
         }
     }
 
-    /// Every phase x health combination, against the table in interfaces.md.
+    /// Every phase x health combination, against the table in docs/INTERFACES.md.
     #[test]
     fn table() {
         let now = Instant::now();

@@ -1,4 +1,4 @@
-//! `supervisor run` command line (interfaces.md), every flag also read from `SUPERVISOR_*`.
+//! `supervisor run` command line (docs/INTERFACES.md), every flag also read from `SUPERVISOR_*`.
 
 use std::ffi::OsString;
 use std::path::PathBuf;

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use probes::Phase;
 
-/// Role of this supervisor (interfaces.md `--role`).
+/// Role of this supervisor (docs/INTERFACES.md `--role`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Role {
     /// Tries the lock before sleeping; if it is free, goes straight to Active.

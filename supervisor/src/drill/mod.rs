@@ -205,8 +205,9 @@ pub struct DrillArgs {
 
     /// GPU checks on a simulated device: the drill creates `DIR/gpu-sim` (total 80 GiB) and
     /// passes `--gpu-sim` to the supervisors (with `--min-free-memory` = what one engine
-    /// registers) and to fake-engine, which registers its processes there while it holds the
-    /// GPU claim (`--gpu-sim-bytes` each).
+    /// registers) and to fake-engine, which registers its processes there as vLLM uses
+    /// device memory: allocated at load, freed on sleep, allocated again on wake
+    /// (`--gpu-sim-bytes` each).
     #[arg(long, env = "SUPERVISOR_DRILL_GPU_SIM")]
     pub gpu_sim: bool,
 

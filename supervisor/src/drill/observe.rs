@@ -136,7 +136,7 @@ fn dechunk(mut b: &[u8]) -> Result<Vec<u8>, String> {
     }
 }
 
-/// A supervisor's `GET /state` document (interfaces.md).
+/// A supervisor's `GET /state` document (docs/INTERFACES.md).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct StateDoc {
     /// init | standby | waking | active | dead.

@@ -1758,8 +1758,15 @@ impl Drill {
                         .map(|p| p.pid)
                         .collect()
                 });
+                // Placed at the grant's time (the new life's Waking, or its Active), so that a
+                // later reclaim of the same lease (lockd crashed during the wake) comes after
+                // it in the epoch check.
+                let granted_at = final_inc
+                    .and_then(|k| self.find_inc(k))
+                    .and_then(|i| invariants::first_after(i.transitions(), "waking", t_kill))
+                    .map_or(fa.active_at_us, |t| t.at_unix_us);
                 grants.push(GrantObs {
-                    seen_at_unix_us: now_us(),
+                    seen_at_unix_us: granted_at,
                     epoch: fa.epoch,
                     holder: None,
                     reclaimed: false,
@@ -1767,11 +1774,31 @@ impl Drill {
                     previous_alive_pids: alive,
                     previous_checked: self.find_inc(victim_key).map_or(0, |i| i.engine_pids.len()),
                 });
+                grants.sort_by_key(|g| g.seen_at_unix_us);
             }
         }
         let mut transitions_after_kill = Vec::new();
         let mut lives = Vec::new();
-        for i in self.sides.iter().flatten().chain(self.retired.iter()) {
+        let all_lives: Vec<&Inc> = self
+            .sides
+            .iter()
+            .flatten()
+            .chain(self.retired.iter())
+            .collect();
+        // When another life was granted the lease after the kill (its Waking, or a primary's
+        // Active). A lease moves only once the previous holder's connection is closed, which a
+        // supervisor does only after leaving Active, or by dying: so this bounds the Active
+        // interval of a supervisor the drill SIGKILLed whose last transitions it never read.
+        let granted_after_kill = |me: (u64, u32)| -> Option<u64> {
+            all_lives
+                .iter()
+                .filter(|o| o.key() != me)
+                .flat_map(|o| o.transitions().iter())
+                .filter(|t| t.at_unix_us >= t_kill && (t.to == "waking" || t.to == "active"))
+                .map(|t| t.at_unix_us)
+                .min()
+        };
+        for i in &all_lives {
             for t in i.transitions().iter().filter(|t| t.at_unix_us >= t_kill) {
                 transitions_after_kill.push((i.engine_id, t.clone()));
             }
@@ -1780,8 +1807,11 @@ impl Drill {
                 incarnation: i.n,
                 transitions: i.transitions(),
                 exited_us: match (i.exited.as_ref().map(|x| x.0), i.sigkilled_us) {
-                    (Some(x), Some(k)) => Some(x.min(k)),
-                    (x, _) => x,
+                    (x, Some(k)) => [x, Some(k), granted_after_kill(i.key())]
+                        .into_iter()
+                        .flatten()
+                        .min(),
+                    (x, None) => x,
                 },
             });
         }

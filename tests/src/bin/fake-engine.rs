@@ -1,4 +1,4 @@
-//! `fake-engine`: a stand-in for a vLLM server (interfaces.md), for tests, the benchmark and
+//! `fake-engine`: a stand-in for a vLLM server (docs/INTERFACES.md), for tests, the benchmark and
 //! the drill.
 //!
 //! Speaks `/health`, `/sleep?level=N`, `/wake_up`, `/is_sleeping`, `/v1/completions` (and the
