@@ -86,7 +86,7 @@ const PIN_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Attach a process anchor to the lock session for every new process of the engine's tree.
 async fn pin_tree(pins: &mut process::TreePins, lock: &mut LockClient, state: &ProbeState) {
-    let new = pins.scan(&[]);
+    let new = pins.scan();
     if new.is_empty() {
         return;
     }

@@ -189,14 +189,14 @@ pub struct TreePins {
 }
 
 impl TreePins {
-    /// Scan the tree; return pidfds of the processes not seen before (excluding `skip`).
-    pub fn scan(&mut self, skip: &[i32]) -> Vec<(i32, OwnedFd)> {
+    /// Scan the tree; return pidfds of the processes not seen before.
+    pub fn scan(&mut self) -> Vec<(i32, OwnedFd)> {
         let me = std::process::id() as i32;
         let tree: HashSet<i32> = tree_pids().into_iter().collect();
         self.pinned.retain(|p| tree.contains(p));
         let mut out = Vec::new();
         for &pid in &tree {
-            if self.pinned.contains(&pid) || skip.contains(&pid) {
+            if self.pinned.contains(&pid) {
                 continue;
             }
             let Ok(fd) = pidfd_open(pid) else { continue };
@@ -683,6 +683,32 @@ mod tests {
             }
         );
         assert!(parse_stat("garbage").is_none());
+    }
+
+    #[test]
+    fn tree_pins_pin_each_new_descendant_once() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("spawn sleep");
+        let pid = child.id() as i32;
+        let mut pins = TreePins::default();
+        let first = pins.scan();
+        let mine: Vec<&(i32, OwnedFd)> = first.iter().filter(|(p, _)| *p == pid).collect();
+        assert_eq!(
+            mine.len(),
+            1,
+            "pinned once: {:?}",
+            first.iter().map(|x| x.0).collect::<Vec<_>>()
+        );
+        // The pidfd names that process: not readable while it lives.
+        assert!(!poll_readable(mine[0].1.as_raw_fd()));
+        assert!(pins.scan().iter().all(|(p, _)| *p != pid), "pinned twice");
+        child.kill().expect("kill");
+        child.wait().expect("reap");
+        assert!(poll_readable(mine[0].1.as_raw_fd()), "exit reported");
+        assert!(pins.scan().iter().all(|(p, _)| *p != pid));
+        assert!(!pins.pinned.contains(&pid), "forgotten once gone");
     }
 
     #[test]

@@ -57,6 +57,29 @@ pub fn free_port() -> u16 {
         .expect("bind 127.0.0.1:0")
 }
 
+/// Environment variable naming a file where [`skip`] appends one line per skipped test
+/// (`.ci/run` sets it and prints the list and the count at the end).
+pub const SKIP_LOG_ENV: &str = "FAILOVER_SKIP_LOG";
+
+/// Record that `test` did not run (all or part of it) for `reason`: prints `SKIP: test:
+/// reason` on stderr and appends it to the file named by [`SKIP_LOG_ENV`], if set, so that a
+/// skip is counted instead of passing silently.
+pub fn skip(test: &str, reason: &str) {
+    let line = format!("SKIP: {test}: {reason}");
+    eprintln!("{line}");
+    if let Some(path) = std::env::var_os(SKIP_LOG_ENV) {
+        use std::io::Write;
+        let appended = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| writeln!(f, "{line}"));
+        if let Err(e) = appended {
+            eprintln!("cannot record the skip in {}: {e}", path.to_string_lossy());
+        }
+    }
+}
+
 /// Poll `f` every `every` until it returns true or `timeout` passes. Returns the last result.
 pub fn wait_until(timeout: Duration, every: Duration, mut f: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + timeout;

@@ -417,7 +417,10 @@ fn planted_no_anchor_bug_is_caught() {
         .windows(NO_ANCHOR_ENV.len())
         .any(|w| w == NO_ANCHOR_ENV.as_bytes())
     {
-        println!("SKIP: the supervisor has no {NO_ANCHOR_ENV} switch");
+        failover_tests::skip(
+            "drill_compound::planted",
+            &format!("the supervisor has no {NO_ANCHOR_ENV} switch"),
+        );
         return;
     }
     let r = drill(
