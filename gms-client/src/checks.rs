@@ -466,12 +466,16 @@ static SIM_DEVICE_LOGGED: Once = Once::new();
 
 /// True when this process runs in the host's PID namespace.
 pub fn in_host_pid_namespace() -> bool {
-    std::fs::read_link("/proc/self/ns/pid").ok().and_then(|p| {
-        let s = p.to_string_lossy().to_string();
-        s.strip_prefix("pid:[")
-            .and_then(|r| r.strip_suffix(']'))
-            .and_then(|n| n.parse::<u64>().ok())
-    }) == Some(HOST_PID_NS_INODE)
+    std::fs::read_link("/proc/self/ns/pid").is_ok_and(|p| is_host_pid_ns_link(&p.to_string_lossy()))
+}
+
+/// Whether a `/proc/PID/ns/pid` link text (`pid:[INODE]`) names the host's (initial) PID
+/// namespace, whose inode is fixed ([`HOST_PID_NS_INODE`]).
+pub fn is_host_pid_ns_link(link: &str) -> bool {
+    link.strip_prefix("pid:[")
+        .and_then(|r| r.strip_suffix(']'))
+        .and_then(|n| n.parse::<u64>().ok())
+        == Some(HOST_PID_NS_INODE)
 }
 
 impl GpuChecks {

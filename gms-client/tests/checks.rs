@@ -338,9 +338,45 @@ fn weight_loading_roles_follow_decision_5() {
 }
 
 #[test]
-fn host_namespace_detection_reads_proc() {
-    // Either answer is legitimate here; it must agree with the inode in /proc.
-    let link = std::fs::read_link("/proc/self/ns/pid").unwrap();
-    let expect = link.to_string_lossy() == format!("pid:[{HOST_PID_NS_INODE}]");
-    assert_eq!(in_host_pid_namespace(), expect);
+fn host_namespace_detection_parses_the_link() {
+    // The initial PID namespace has the fixed inode 0xEFFFFFFC = 4026531836.
+    assert!(is_host_pid_ns_link("pid:[4026531836]"));
+    assert!(!is_host_pid_ns_link("pid:[4026532000]"));
+    assert!(!is_host_pid_ns_link("pid:[4026531836"));
+    assert!(!is_host_pid_ns_link("net:[4026531836]"));
+    assert!(!is_host_pid_ns_link("pid:[]"));
+    assert!(!is_host_pid_ns_link(""));
+}
+
+#[test]
+fn a_child_in_a_new_pid_namespace_is_not_in_the_host_namespace() {
+    // This process may or may not run in the host's namespace (a container does not); a
+    // child in a namespace of its own certainly does not. Needs CAP_SYS_ADMIN.
+    let out = std::process::Command::new("unshare")
+        .args([
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "readlink",
+            "/proc/self/ns/pid",
+        ])
+        .output();
+    match out {
+        Ok(o) if o.status.success() => {
+            let link = String::from_utf8_lossy(&o.stdout).trim().to_string();
+            assert!(link.starts_with("pid:["), "{link}");
+            assert!(!is_host_pid_ns_link(&link), "{link}");
+            let mine = std::fs::read_link("/proc/self/ns/pid").unwrap();
+            assert_ne!(
+                link,
+                mine.to_string_lossy(),
+                "unshare gave no new namespace"
+            );
+        }
+        Ok(o) => eprintln!(
+            "SKIP: unshare --pid failed (needs CAP_SYS_ADMIN): {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        ),
+        Err(e) => eprintln!("SKIP: no unshare(1): {e}"),
+    }
 }
