@@ -10,19 +10,21 @@
 
 pub mod metrics;
 pub mod server;
+pub mod state;
 pub mod verdict;
 
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 pub use metrics::Metrics;
 pub use server::{serve, ProbeError};
+pub use state::{MarkKind, StateDoc};
 pub use verdict::{live, ready, startup, ProbeView};
 
 /// The externally visible lifecycle phase of the engine (docs/INTERFACES.md: `/state.state`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
 #[serde(rename_all = "lowercase")]
 pub enum Phase {
     /// Engine loading (model load, graph capture), or being put to sleep for the first time.
@@ -71,7 +73,7 @@ impl std::fmt::Display for Phase {
 }
 
 /// One entered phase, with a wall-clock time so that drills can compare across processes.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Transition {
     /// The phase entered.
     pub to: Phase,
@@ -81,10 +83,10 @@ pub struct Transition {
 
 /// A named point in time on the failover path, for the `/state` breakdown (drills and the
 /// benchmark compute "death detected -> tree reaped -> lock granted -> woken" from these).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Mark {
-    /// What happened (`engine_spawned`, `lock_granted`, `engine_exit_detected`, `fenced`, ...).
-    pub what: String,
+    /// What happened.
+    pub what: MarkKind,
     /// Wall-clock time, microseconds since the Unix epoch.
     pub at_unix_us: i64,
 }
@@ -150,27 +152,21 @@ impl Status {
         }
     }
 
-    /// The `/state` document.
-    pub fn state_json(&self, now: Instant) -> serde_json::Value {
-        let since_ms = now.saturating_duration_since(self.phase_since).as_millis() as u64;
-        let marks: serde_json::Map<String, serde_json::Value> = self
-            .marks
-            .iter()
-            .map(|m| (m.what.clone(), serde_json::Value::from(m.at_unix_us)))
-            .collect();
-        serde_json::json!({
-            "state": self.phase,
-            "engine_id": self.engine_id,
-            "role": self.role,
-            "epoch": self.epoch,
-            "since_ms": since_ms,
-            "engine_pid": self.engine_pid,
-            "transitions": self.transitions,
-            "healthy": self.engine_healthy,
-            "lock_connected": self.lock_connected,
-            "dead_reason": self.dead_reason,
-            "marks": marks,
-        })
+    /// The `/state` document (last occurrence of each mark).
+    pub fn state_doc(&self, now: Instant) -> StateDoc {
+        StateDoc {
+            state: self.phase,
+            engine_id: self.engine_id,
+            role: self.role.clone(),
+            epoch: self.epoch,
+            since_ms: now.saturating_duration_since(self.phase_since).as_millis() as u64,
+            engine_pid: self.engine_pid,
+            transitions: self.transitions.clone(),
+            healthy: self.engine_healthy,
+            lock_connected: self.lock_connected,
+            dead_reason: self.dead_reason.clone(),
+            marks: self.marks.iter().map(|m| (m.what, m.at_unix_us)).collect(),
+        }
     }
 }
 
@@ -209,10 +205,10 @@ impl ProbeState {
     }
 
     /// Record a named point in time (see [`Mark`]).
-    pub fn mark(&self, what: &str) {
+    pub fn mark(&self, what: MarkKind) {
         let at = unix_us_now();
         self.write().marks.push(Mark {
-            what: what.to_string(),
+            what,
             at_unix_us: at,
         });
     }
@@ -253,7 +249,12 @@ mod tests {
         let st = ProbeState::new(Status::new(3, "shadow"));
         st.enter(Phase::Standby, None);
         st.write().epoch = Some(7);
-        let v = st.read().state_json(Instant::now());
+        st.mark(MarkKind::LockConnected);
+        let v = serde_json::to_value(st.read().state_doc(Instant::now())).unwrap();
+        assert!(v["marks"]["lock_connected"].is_i64(), "{v}");
+        assert!(v["dead_reason"].is_null(), "{v}");
+        assert_eq!(v["lock_connected"], false);
+        assert_eq!(v["healthy"], false);
         assert_eq!(v["state"], "standby");
         assert_eq!(v["engine_id"], 3);
         assert_eq!(v["role"], "shadow");

@@ -110,7 +110,7 @@ pub fn route(state: &ProbeState, method: &Method, path: &str) -> Response<Full<B
         "/live" => verdict_response(verdict::live(&state.read().view(), now)),
         "/ready" => verdict_response(verdict::ready(&state.read().view(), now)),
         "/state" => {
-            let body = state.read().state_json(now).to_string();
+            let body = serde_json::to_string(&state.read().state_doc(now)).unwrap_or_default();
             text(StatusCode::OK, body, "application/json")
         }
         "/metrics" => {

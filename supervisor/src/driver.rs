@@ -96,7 +96,7 @@ async fn pin_tree(pins: &mut process::TreePins, lock: &mut LockClient, state: &P
             tracing::error!(pid, error = %e, "cannot attach a process anchor");
         }
     }
-    state.mark("process_anchors_attached");
+    state.mark(probes::MarkKind::ProcessAnchorsAttached);
     tracing::info!(pids = ?pids, "engine processes pinned as lock anchors");
 }
 
@@ -228,9 +228,9 @@ fn lock_event(ev: LockEvent, state: &ProbeState) -> Option<Event> {
         } => {
             tracing::info!(%resource, epoch, reclaimed, "lock granted");
             state.mark(if reclaimed {
-                "lock_reclaimed"
+                probes::MarkKind::LockReclaimed
             } else {
-                "lock_granted"
+                probes::MarkKind::LockGranted
             });
             Some(Event::LockGranted { epoch, reclaimed })
         }
@@ -249,13 +249,13 @@ fn lock_event(ev: LockEvent, state: &ProbeState) -> Option<Event> {
                 .metrics()
                 .lock_disconnects
                 .fetch_add(1, Ordering::Relaxed);
-            state.mark("lock_disconnected");
+            state.mark(probes::MarkKind::LockDisconnected);
             Some(Event::LockDisconnected)
         }
         LockEvent::Reconnected => {
             tracing::info!("lock connection re-established");
             state.write().lock_connected = true;
-            state.mark("lock_reconnected");
+            state.mark(probes::MarkKind::LockReconnected);
             Some(Event::LockReconnected)
         }
         LockEvent::Lost {
@@ -374,7 +374,7 @@ pub async fn run_with_checks(
         }
     };
     probe_state.write().lock_connected = true;
-    probe_state.mark("lock_connected");
+    probe_state.mark(probes::MarkKind::LockConnected);
 
     // 2. Spawn the engine with an inheritable dup of the lock connection (on this, the main,
     //    thread: PDEATHSIG is tied to the forking thread).
@@ -399,7 +399,7 @@ pub async fn run_with_checks(
     // proof that the tree is gone.
     drop(anchor_inherit);
     probe_state.write().engine_pid = Some(engine.pid as u32);
-    probe_state.mark("engine_spawned");
+    probe_state.mark(probes::MarkKind::EngineSpawned);
     tracing::info!(pid = engine.pid, cmd = ?args.cmd, "engine spawned");
 
     let (health_task, mut health_rx) =
@@ -442,7 +442,7 @@ pub async fn run_with_checks(
             biased;
             _ = engine.exited(), if !engine_gone => {
                 engine_gone = true;
-                probe_state.mark("engine_exit_detected");
+                probe_state.mark(probes::MarkKind::EngineExitDetected);
                 let st = engine.peek_status();
                 tracing::warn!(pid = engine.pid, status = %st, "engine exited");
                 Some(Event::EngineExited(st))
@@ -485,15 +485,15 @@ pub async fn run_with_checks(
                 // The check has logged what it saw (and, on failure, its cause) already.
                 match r {
                     Ok(Ok(_)) => {
-                        probe_state.mark("gpu_check_passed");
+                        probe_state.mark(probes::MarkKind::GpuCheckPassed);
                         Some(Event::WakeCheckPassed)
                     }
                     Ok(Err(e)) => {
-                        probe_state.mark("gpu_check_failed");
+                        probe_state.mark(probes::MarkKind::GpuCheckFailed);
                         Some(Event::WakeCheckFailed { cause: e.to_string() })
                     }
                     Err(e) => {
-                        probe_state.mark("gpu_check_failed");
+                        probe_state.mark(probes::MarkKind::GpuCheckFailed);
                         Some(Event::WakeCheckFailed { cause: format!("check task failed: {e}") })
                     }
                 }
@@ -514,7 +514,7 @@ pub async fn run_with_checks(
         if event == Event::LockReconnected && anchored {
             // The client attached the anchor to the new connection before reclaiming: the
             // reclaimed lease stays bound to every process of the engine's tree.
-            probe_state.mark("lock_anchor_reattached");
+            probe_state.mark(probes::MarkKind::LockAnchorReattached);
         }
         if event == Event::LockReconnected && !anchored {
             // The engine holds a duplicate of the old connection only: hand the new one to a
@@ -525,7 +525,7 @@ pub async fn run_with_checks(
             {
                 Ok(k) => {
                     tracing::info!(pid = k.pid, "lock keeper holds the new lock connection");
-                    probe_state.mark("lock_keeper_spawned");
+                    probe_state.mark(probes::MarkKind::LockKeeperSpawned);
                     if let Some(old) = keeper.replace(k) {
                         // SAFETY: kill(2) on our own child; reaped on SIGCHLD.
                         unsafe { libc::kill(old.pid, libc::SIGKILL) };
@@ -622,7 +622,7 @@ pub async fn run_with_checks(
                 Action::CheckBeforeWake => {
                     if let Some(c) = checks.clone() {
                         let standby = standby_check.take();
-                        probe_state.mark("gpu_check_started");
+                        probe_state.mark(probes::MarkKind::GpuCheckStarted);
                         tracing::info!("lock granted: checking GMS/GPU before waking the engine");
                         wake_check = Some(tokio::spawn(async move {
                             // A grant right after Standby: let the layout snapshot finish
@@ -663,13 +663,13 @@ pub async fn run_with_checks(
     health_task.abort();
     probe_state.write().engine_healthy = false;
     tracing::warn!(reason = %reason, urgent = reason.urgent(), "fencing engine");
-    probe_state.mark("fence_started");
+    probe_state.mark(probes::MarkKind::FenceStarted);
     // PLANTED BUG hook for the drill (test-only feature, off in release builds): see
     // crate::drill::planted_bug_early_release. Compiles to nothing without the feature.
     #[cfg(feature = "planted-bug-early-release")]
     crate::drill::planted_bug_early_release(&mut lock, &args.resource).await;
     let report = process::fence(&mut engine, reason.urgent(), args.stop_grace).await;
-    probe_state.mark("fenced");
+    probe_state.mark(probes::MarkKind::Fenced);
     probe_state
         .metrics()
         .fencing_seconds
@@ -694,7 +694,7 @@ pub async fn run_with_checks(
     }
     lock.close().await;
     probe_state.write().lock_connected = false;
-    probe_state.mark("lock_closed");
+    probe_state.mark(probes::MarkKind::LockClosed);
     tracing::info!("lock connection closed");
     let outcome = RunOutcome {
         exit_code: reason.exit_code(),
@@ -734,7 +734,7 @@ async fn after_reap_check(checks: &GpuChecks, pids: &[i32], args: &RunArgs, stat
             );
         }
     }
-    state.mark("memory_release_checked");
+    state.mark(probes::MarkKind::MemoryReleaseChecked);
     sync_check_metrics(checks, state);
 }
 

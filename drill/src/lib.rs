@@ -1,0 +1,1 @@
+//! placeholder (moved here from supervisor/src/drill)

@@ -1,0 +1,1 @@
+//! placeholder (moved here from tests/src/bin/fake-engine.rs)
