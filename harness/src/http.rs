@@ -59,11 +59,21 @@ mod tests {
             let (_silent, _) = l.accept().unwrap();
             std::thread::sleep(Duration::from_millis(500));
         });
-        let r = get(&format!("http://127.0.0.1:{port}/ready"), Duration::from_secs(5)).unwrap();
+        let r = get(
+            &format!("http://127.0.0.1:{port}/ready"),
+            Duration::from_secs(5),
+        )
+        .unwrap();
         assert_eq!(r.status, 503);
         assert_eq!(r.body, "aslee");
         let t0 = std::time::Instant::now();
-        assert_eq!(get(&format!("http://127.0.0.1:{port}/x"), Duration::from_millis(100)), None);
+        assert_eq!(
+            get(
+                &format!("http://127.0.0.1:{port}/x"),
+                Duration::from_millis(100)
+            ),
+            None
+        );
         assert!(t0.elapsed() < Duration::from_millis(450));
         t.join().unwrap();
     }

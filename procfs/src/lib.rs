@@ -92,7 +92,12 @@ pub fn alive(pid: i32) -> bool {
 /// `/proc/PID/cmdline` with NULs as spaces (empty for a zombie or a vanished process).
 pub fn cmdline(pid: i32) -> String {
     std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| String::from_utf8_lossy(&b).replace('\0', " ").trim().to_string())
+        .map(|b| {
+            String::from_utf8_lossy(&b)
+                .replace('\0', " ")
+                .trim()
+                .to_string()
+        })
         .unwrap_or_default()
 }
 
@@ -147,7 +152,10 @@ pub fn children(pid: i32) -> Option<Vec<i32>> {
         match std::fs::read_to_string(t.path().join("children")) {
             Ok(text) => {
                 any = true;
-                out.extend(text.split_whitespace().filter_map(|x| x.parse::<i32>().ok()));
+                out.extend(
+                    text.split_whitespace()
+                        .filter_map(|x| x.parse::<i32>().ok()),
+                );
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound && !any => return None,
             Err(_) => {}
@@ -239,7 +247,10 @@ mod tests {
     fn junk_and_truncated_lines_are_none() {
         assert_eq!(parse_stat(""), None);
         assert_eq!(parse_stat("12 (x) S 1 1"), None);
-        assert_eq!(parse_stat("abc (x) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 0 0 1 0 5"), None);
+        assert_eq!(
+            parse_stat("abc (x) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 0 0 1 0 5"),
+            None
+        );
     }
 
     #[test]
@@ -284,12 +295,18 @@ mod tests {
         // Not reaped yet: a zombie, hence not alive.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         while pinned.is_alive() {
-            assert!(std::time::Instant::now() < deadline, "SIGKILLed child still alive");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "SIGKILLed child still alive"
+            );
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         assert!(pinned.stat().is_some_and(|s| s.is_zombie()));
         child.wait().unwrap();
         assert_eq!(pinned.stat(), None);
-        assert!(!pinned.signal(Signal::SIGKILL), "a reaped pid is never signalled");
+        assert!(
+            !pinned.signal(Signal::SIGKILL),
+            "a reaped pid is never signalled"
+        );
     }
 }
