@@ -443,8 +443,11 @@ impl ConnRead for tokio::net::tcp::OwnedReadHalf {
     const CARRIES_FDS: bool = false;
 }
 
-/// Most descriptors one read may bring (more are closed by the kernel: MSG_CTRUNC).
-const MAX_FDS_PER_READ: usize = 4;
+/// Room for descriptors in one read: the kernel's limit per message (`SCM_MAX_FD`), so the
+/// control buffer is never truncated. A truncated one (MSG_CTRUNC) cannot be walked with nix,
+/// and the descriptors the kernel did install in it would leak; these are all owned, and
+/// `conn` closes those past [`MAX_PENDING_FDS`].
+const MAX_FDS_PER_READ: usize = 253;
 
 impl ConnRead for tokio::net::unix::OwnedReadHalf {
     async fn read_fds(
@@ -1095,4 +1098,38 @@ fn peer_transport(d: &Shared, id: SessionId) -> String {
         .peers
         .get(&id)
         .map_or_else(|| "this transport".into(), |p| p.transport.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::{AsRawFd, OwnedFd};
+
+    #[tokio::test]
+    async fn every_descriptor_of_a_read_is_owned_even_past_the_anchor_limit() {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        let (a, b) = tokio::net::UnixStream::pair().unwrap();
+        let (mut r, _w) = b.into_split();
+        let file = OwnedFd::from(tempfile::tempfile().unwrap());
+        let many = vec![file.as_raw_fd(); 64];
+        let sent = sendmsg::<()>(
+            a.as_raw_fd(),
+            &[std::io::IoSlice::new(b"{}\n")],
+            &[ControlMessage::ScmRights(&many)],
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        assert_eq!(sent, 3);
+        let mut buf = [0u8; 64];
+        let mut fds = Vec::new();
+        let n = tokio::time::timeout(Duration::from_secs(5), r.read_fds(&mut buf, &mut fds))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(n, 3);
+        assert_eq!(fds.len(), many.len(), "every received descriptor is owned");
+        let ino = |fd: &OwnedFd| nix::sys::stat::fstat(fd.as_raw_fd()).unwrap().st_ino;
+        assert!(fds.iter().all(|fd| ino(fd) == ino(&file)));
+    }
 }
