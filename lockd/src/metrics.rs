@@ -628,6 +628,36 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn shutdown_stops_accepting_and_answers_the_scrape_in_flight() {
+        tokio::task::LocalSet::new()
+            .run_until(async {
+                let (addr, stop, server) = start(HttpLimits::default()).await;
+                let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+                s.write_all(b"GET /metrics HTTP/1.1\r\nHo").await.unwrap();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                drop(stop);
+                tokio::time::timeout(Duration::from_secs(5), server)
+                    .await
+                    .expect("the server stops on its shutdown future")
+                    .unwrap();
+                assert!(
+                    tokio::net::TcpStream::connect(addr).await.is_err(),
+                    "no new connections after shutdown"
+                );
+                s.write_all(b"st: x\r\n\r\n").await.unwrap();
+                let mut out = Vec::new();
+                tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out))
+                    .await
+                    .expect("the scrape in flight is answered and closed")
+                    .unwrap();
+                let r = String::from_utf8(out).unwrap();
+                assert_eq!(status(&r), 200, "{r}");
+                assert!(r.ends_with("# EOF\n"), "{r}");
+            })
+            .await;
+    }
+
+    #[tokio::test]
     async fn connections_beyond_the_cap_are_closed_and_do_not_stop_the_server() {
         tokio::task::LocalSet::new()
             .run_until(async {
