@@ -155,7 +155,10 @@ pub async fn serve<B: ServerBackend>(
                 }
                 Err(e) => {
                     warn!(error = %e, "accept failed");
-                    if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) {
+                    if matches!(
+                        e.raw_os_error().map(nix::errno::Errno::from_raw),
+                        Some(nix::errno::Errno::EMFILE | nix::errno::Errno::ENFILE)
+                    ) {
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }

@@ -157,41 +157,24 @@ impl FramedStream {
 
 /// `sendmsg` with an optional SCM_RIGHTS fd. Returns bytes sent.
 fn raw_send(sock: RawFd, data: &[u8], fd: Option<RawFd>) -> io::Result<usize> {
-    let mut iov = libc::iovec {
-        iov_base: data.as_ptr() as *mut libc::c_void,
-        iov_len: data.len(),
-    };
-    // SAFETY: zeroed msghdr is a valid "no name, no control" header.
-    let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
-    hdr.msg_iov = &mut iov;
-    hdr.msg_iovlen = 1;
-    // u64 storage keeps the control buffer aligned for cmsghdr.
-    let mut control = [0u64; 8];
-    if let Some(fd) = fd {
-        // SAFETY: CMSG_SPACE is a pure size computation.
-        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-        hdr.msg_control = control.as_mut_ptr() as *mut libc::c_void;
-        hdr.msg_controllen = space as _;
-        // SAFETY: the control buffer is 64 bytes, aligned, and larger than `space`; the
-        // header pointer comes from CMSG_FIRSTHDR on that buffer.
-        unsafe {
-            let cmsg = libc::CMSG_FIRSTHDR(&hdr);
-            (*cmsg).cmsg_level = libc::SOL_SOCKET;
-            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-            (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg) as *mut RawFd, fd);
-        }
-    }
-    // SAFETY: hdr points at live buffers for the duration of the call.
-    let n = unsafe { libc::sendmsg(sock, &hdr, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(n as usize)
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    let iov = [io::IoSlice::new(data)];
+    let fds = fd.map(|fd| [fd]);
+    let cmsg = fds.as_ref().map(|fds| ControlMessage::ScmRights(fds));
+    Ok(sendmsg::<()>(
+        sock,
+        &iov,
+        cmsg.as_slice(),
+        MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT,
+        None,
+    )?)
 }
 
 /// `recvmsg` into `buf`; returns the byte count and every fd received (owned, so that the
 /// ones nobody wants are closed on drop). Fds are received with MSG_CMSG_CLOEXEC.
+///
+/// Raw libc, not nix: nix 0.29's `RecvMsg::cmsgs` refuses to walk a truncated control
+/// buffer (MSG_CTRUNC), which would leak the fds the kernel did install.
 fn raw_recv(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr() as *mut libc::c_void,
@@ -303,5 +286,47 @@ mod tests {
         tx.send_frame(&[0, 0, 0, 9, 0x80], None).await.unwrap();
         drop(tx);
         assert!(matches!(rx.recv().await, Err(WireError::Closed)));
+    }
+
+    #[test]
+    fn fds_of_a_truncated_control_message_are_owned_not_leaked() {
+        use nix::sys::socket::{
+            sendmsg, socketpair, AddressFamily, ControlMessage, MsgFlags, SockFlag, SockType,
+        };
+        let (a, b) = socketpair(
+            AddressFamily::Unix,
+            SockType::Stream,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap();
+        let file = OwnedFd::from(tempfile::tempfile().unwrap());
+        // Far more fds than raw_recv's control buffer holds: the kernel truncates (MSG_CTRUNC).
+        let many = vec![file.as_raw_fd(); 64];
+        let sent = sendmsg::<()>(
+            a.as_raw_fd(),
+            &[io::IoSlice::new(b"x")],
+            &[ControlMessage::ScmRights(&many)],
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        assert_eq!(sent, 1);
+        let mut buf = [0u8; 16];
+        let (n, fds) = raw_recv(b.as_raw_fd(), &mut buf).unwrap();
+        assert_eq!(n, 1);
+        assert!(!fds.is_empty(), "the fds that fit are handed back");
+        assert!(fds.len() < many.len(), "the control buffer was truncated");
+        for fd in &fds {
+            assert_eq!(inode(fd), inode(&file), "each received fd is the sent file");
+        }
+        // And raw_send's single fd arrives whole.
+        assert_eq!(
+            raw_send(a.as_raw_fd(), b"y", Some(file.as_raw_fd())).unwrap(),
+            1
+        );
+        let (n, fds) = raw_recv(b.as_raw_fd(), &mut buf).unwrap();
+        assert_eq!((n, fds.len()), (1, 1));
+        assert_eq!(inode(&fds[0]), inode(&file));
     }
 }

@@ -381,12 +381,9 @@ impl LockClient {
                 "not connected to lockd",
             ));
         };
-        // SAFETY: `fd` is open while the guard is held (the task closes it only under the lock);
+        // `fd` is open while the guard is held (the task closes it only under the lock);
         // F_DUPFD returns a new descriptor without FD_CLOEXEC, which we then own.
-        let new = unsafe { libc::fcntl(fd, libc::F_DUPFD, 3) };
-        if new < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        let new = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_DUPFD(3))?;
         // SAFETY: `new` is a fresh descriptor owned by nobody else.
         Ok(unsafe { OwnedFd::from_raw_fd(new) })
     }

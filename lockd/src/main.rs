@@ -506,8 +506,10 @@ async fn hold_inner(a: HoldArgs) -> std::result::Result<u8, Fail> {
     let term_child = |why: &str| {
         eprintln!("lockd hold: {why}; sending SIGTERM to {}", a.cmd[0]);
         if let Some(p) = pid {
-            // SAFETY: kill(2) on our own child's pid.
-            unsafe { libc::kill(p, libc::SIGTERM) };
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(p),
+                nix::sys::signal::Signal::SIGTERM,
+            );
         }
     };
     let mut events_open = true;

@@ -13,6 +13,10 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use nix::errno::Errno;
+use nix::fcntl::{renameat2, AtFlags, Flock, FlockArg, RenameFlags};
+use nix::sys::stat::fstatat;
+
 use crate::core::{PersistedState, STATE_VERSION};
 
 /// Why the state could not be opened or written.
@@ -80,7 +84,7 @@ pub struct StateFile {
     /// File name of the temp file inside `dir`.
     tmp_name: CString,
     /// The flock()ed lock file: held for the life of this value.
-    _lock: File,
+    _lock: Flock<File>,
     /// The inode we last published as `STATE` (None until our first write).
     cur: Option<Spare>,
     /// Our inode at `STATE.tmp` (steady state: the previous state). A write overwrites it,
@@ -107,7 +111,7 @@ impl StateFile {
     /// Lock and read the state file (absent = first boot = empty state).
     pub fn open(path: &Path) -> Result<(StateFile, PersistedState), PersistError> {
         let lp = lock_path(path);
-        let mut lock = OpenOptions::new()
+        let lock = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
@@ -115,11 +119,9 @@ impl StateFile {
             .mode(0o600)
             .open(&lp)
             .map_err(io("open lock file", &lp))?;
-        // SAFETY: flock on a valid, owned fd.
-        let rc = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if rc != 0 {
-            let err = std::io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        let mut lock = match Flock::lock(lock, FlockArg::LockExclusiveNonblock) {
+            Ok(l) => l,
+            Err((mut lock, Errno::EWOULDBLOCK)) => {
                 let mut owner = String::new();
                 let _ = lock.read_to_string(&mut owner);
                 let owner = owner.trim();
@@ -132,8 +134,8 @@ impl StateFile {
                     },
                 });
             }
-            return Err(io("flock", &lp)(err));
-        }
+            Err((_, e)) => return Err(io("flock", &lp)(e.into())),
+        };
         lock.set_len(0).map_err(io("truncate lock file", &lp))?;
         lock.write_all(format!("pid {}\n", std::process::id()).as_bytes())
             .map_err(io("write lock file", &lp))?;
@@ -197,21 +199,12 @@ impl StateFile {
 
     /// (device, inode, size) of what `STATE.tmp` names now, if anything.
     fn tmp_identity(&self) -> Option<(u64, u64, u64)> {
-        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-        // SAFETY: valid dir fd, NUL-terminated name, `st` is written by the kernel on success.
-        let rc = unsafe {
-            libc::fstatat(
-                self.dir.as_raw_fd(),
-                self.tmp_name.as_ptr(),
-                st.as_mut_ptr(),
-                libc::AT_SYMLINK_NOFOLLOW,
-            )
-        };
-        if rc != 0 {
-            return None;
-        }
-        // SAFETY: fstatat succeeded, so `st` is initialized.
-        let st = unsafe { st.assume_init() };
+        let st = fstatat(
+            Some(self.dir.as_raw_fd()),
+            self.tmp_name.as_c_str(),
+            AtFlags::AT_SYMLINK_NOFOLLOW,
+        )
+        .ok()?;
         Some((st.st_dev, st.st_ino, st.st_size as u64))
     }
 
@@ -275,32 +268,27 @@ impl StateFile {
                         sp.file.set_len(len).map_err(io("truncate", &self.tmp))?;
                     }
                     sp.file.sync_all().map_err(io("fsync", &self.tmp))?;
-                    // SAFETY: valid dir fd and NUL-terminated names.
-                    let rc = unsafe {
-                        libc::renameat2(
-                            self.dir.as_raw_fd(),
-                            self.tmp_name.as_ptr(),
-                            self.dir.as_raw_fd(),
-                            self.name.as_ptr(),
-                            libc::RENAME_EXCHANGE,
-                        )
-                    };
-                    if rc == 0 {
-                        self.dir
-                            .sync_all()
-                            .map_err(io("fsync directory of", &self.path))?;
-                        // `STATE` is now `sp`; `STATE.tmp` the inode that was `STATE`.
-                        self.spare = self.cur.replace(sp);
-                        return Ok(());
-                    }
-                    let err = std::io::Error::last_os_error();
-                    if matches!(
-                        err.raw_os_error(),
-                        Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)
+                    match renameat2(
+                        Some(self.dir.as_raw_fd()),
+                        self.tmp_name.as_c_str(),
+                        Some(self.dir.as_raw_fd()),
+                        self.name.as_c_str(),
+                        RenameFlags::RENAME_EXCHANGE,
                     ) {
-                        self.exchange_ok = false;
+                        Ok(()) => {
+                            self.dir
+                                .sync_all()
+                                .map_err(io("fsync directory of", &self.path))?;
+                            // `STATE` is now `sp`; `STATE.tmp` the inode that was `STATE`.
+                            self.spare = self.cur.replace(sp);
+                            return Ok(());
+                        }
+                        Err(Errno::EINVAL | Errno::ENOSYS | Errno::EOPNOTSUPP) => {
+                            self.exchange_ok = false;
+                        }
+                        // Otherwise (e.g. `STATE` was moved away): the plain path below.
+                        Err(_) => {}
                     }
-                    // Otherwise (e.g. `STATE` was moved away): the plain path below.
                 }
             }
         }

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, Notify};
 use tracing::{debug, error, info, warn};
@@ -265,7 +265,7 @@ impl Driver {
         let now = Instant::now();
         if now < self.spin_until {
             // Read while spinning: the wakeup it saved is what the window is for.
-            self.metrics.busy_poll_hits += 1;
+            self.metrics.busy_poll_hits.inc();
         }
         self.spin_until = now + self.busy_poll;
         self.spin.notify_one();
@@ -443,8 +443,11 @@ impl ConnRead for tokio::net::tcp::OwnedReadHalf {
     const CARRIES_FDS: bool = false;
 }
 
-/// Most descriptors one read may bring (more are closed by the kernel: MSG_CTRUNC).
-const MAX_FDS_PER_READ: usize = 4;
+/// Room for descriptors in one read: the kernel's limit per message (`SCM_MAX_FD`), so the
+/// control buffer is never truncated. A truncated one (MSG_CTRUNC) cannot be walked with nix,
+/// and the descriptors the kernel did install in it would leak; these are all owned, and
+/// `conn` closes those past [`MAX_PENDING_FDS`].
+const MAX_FDS_PER_READ: usize = 253;
 
 impl ConnRead for tokio::net::unix::OwnedReadHalf {
     async fn read_fds(
@@ -737,6 +740,7 @@ impl Server {
         } = self;
         let paths: Vec<PathBuf> = unix.iter().map(|(_, p)| p.clone()).collect();
         let limits = Rc::new(cfg.clone());
+        let metrics_stop = Rc::new(Notify::new());
         let result = local
             .run_until(async move {
                 let next_id = Rc::new(std::cell::Cell::new(1u64));
@@ -796,7 +800,22 @@ impl Server {
                 }
                 if let Some(ml) = metrics {
                     info!(addr = %ml.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics listening");
-                    tokio::task::spawn_local(serve_metrics(driver.clone(), ml));
+                    let (md, stop) = (driver.clone(), metrics_stop.clone());
+                    let render = move || {
+                        let drv = md.borrow();
+                        metrics::render(
+                            &drv.metrics,
+                            &drv.core.counters(),
+                            &drv.core.waiters(),
+                            drv.core.session_count(),
+                        )
+                    };
+                    tokio::task::spawn_local(metrics::serve(
+                        ml,
+                        render,
+                        metrics::HttpLimits::default(),
+                        async move { stop.notified().await },
+                    ));
                 }
                 let (timer, fatal) = {
                     let d = driver.borrow();
@@ -823,7 +842,7 @@ impl Server {
                         while Instant::now() < sd.borrow().spin_until {
                             tokio::task::yield_now().await;
                         }
-                        sd.borrow_mut().metrics.busy_poll += start.elapsed();
+                        sd.borrow().metrics.busy_poll.inc_by(start.elapsed().as_secs_f64());
                     }
                 });
                 let (ld, logs) = (driver.clone(), driver.borrow().log_notify.clone());
@@ -853,7 +872,7 @@ impl Server {
                         }
                     }
                 });
-                tokio::select! {
+                let result = tokio::select! {
                     _ = shutdown => {
                         info!("shutting down");
                         let mut d = driver.borrow_mut();
@@ -870,7 +889,10 @@ impl Server {
                             None => Ok(()),
                         }
                     }
-                }
+                };
+                // The metrics server stops accepting; a scrape in flight gets its answer.
+                metrics_stop.notify_one();
+                result
             })
             .await;
         // Let writers flush the shutdown notice (and the logger its lines) briefly, then drop
@@ -932,7 +954,7 @@ where
         addr = peer.addr.as_deref(), "session connected");
     {
         let mut drv = d.borrow_mut();
-        drv.metrics.connections += 1;
+        drv.metrics.connections.inc();
         drv.sessions.insert(id, out);
         drv.peers.insert(id, peer.clone());
         drv.feed(Input::Connect { session: id, peer });
@@ -991,7 +1013,7 @@ where
                     let line = match item {
                         Ok(l) => l,
                         Err(e) => {
-                            d.borrow_mut().metrics.bad_requests += 1;
+                            d.borrow().metrics.bad_requests.inc();
                             warn!(session = id, max = e.max, "line too long; disconnecting");
                             let ev = Event::error(ErrorCode::LineTooLong, e.to_string(), None);
                             busy.set(true); // closing: the driver writes nothing more here
@@ -1004,7 +1026,7 @@ where
                     }
                     got_request = true;
                     if !bucket.take() {
-                        d.borrow_mut().metrics.bad_requests += 1;
+                        d.borrow().metrics.bad_requests.inc();
                         warn!(session = id, rate = lim.rate_limit, "request flood; disconnecting");
                         let ev = Event::error(ErrorCode::RateLimited, format!("more than {} requests/s", lim.rate_limit), None);
                         busy.set(true); // closing: the driver writes nothing more here
@@ -1031,7 +1053,7 @@ where
                                 }
                                 Err(why) => {
                                     let mut drv = d.borrow_mut();
-                                    drv.metrics.bad_requests += 1;
+                                    drv.metrics.bad_requests.inc();
                                     warn!(session = id, error = %why, "anchor refused");
                                     drv.send(id, &Event::error(ErrorCode::AnchorRefused, why, None));
                                 }
@@ -1043,7 +1065,7 @@ where
                         }
                         Err(e) => {
                             let mut drv = d.borrow_mut();
-                            drv.metrics.bad_requests += 1;
+                            drv.metrics.bad_requests.inc();
                             warn!(session = id, code = e.code().as_str(), error = %e, "bad request");
                             drv.send(id, &Event::error(e.code(), e.to_string(), None));
                         }
@@ -1078,51 +1100,36 @@ fn peer_transport(d: &Shared, id: SessionId) -> String {
         .map_or_else(|| "this transport".into(), |p| p.transport.clone())
 }
 
-async fn serve_metrics(d: Shared, l: TcpListener) {
-    loop {
-        let Ok((mut s, _)) = l.accept().await else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
-        let d = d.clone();
-        tokio::task::spawn_local(async move {
-            let mut req = Vec::new();
-            let mut buf = [0u8; 1024];
-            let read = tokio::time::timeout(Duration::from_secs(5), async {
-                while !req.windows(4).any(|w| w == b"\r\n\r\n") && req.len() < 8192 {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => req.extend_from_slice(&buf[..n]),
-                    }
-                }
-            })
-            .await;
-            if read.is_err() {
-                return;
-            }
-            let first = req.split(|b| *b == b'\n').next().unwrap_or_default();
-            let (status, body) =
-                if first.starts_with(b"GET /metrics ") || first.starts_with(b"GET / ") {
-                    let drv = d.borrow();
-                    let c = drv.core.counters();
-                    (
-                        "200 OK",
-                        metrics::render(
-                            &drv.metrics,
-                            &c,
-                            &drv.core.waiters(),
-                            drv.core.session_count(),
-                        ),
-                    )
-                } else {
-                    ("404 Not Found", "not found\n".to_string())
-                };
-            let resp = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = s.write_all(resp.as_bytes()).await;
-            let _ = s.shutdown().await;
-        });
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::{AsRawFd, OwnedFd};
+
+    #[tokio::test]
+    async fn every_descriptor_of_a_read_is_owned_even_past_the_anchor_limit() {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        let (a, b) = tokio::net::UnixStream::pair().unwrap();
+        let (mut r, _w) = b.into_split();
+        let file = OwnedFd::from(tempfile::tempfile().unwrap());
+        let many = vec![file.as_raw_fd(); 64];
+        let sent = sendmsg::<()>(
+            a.as_raw_fd(),
+            &[std::io::IoSlice::new(b"{}\n")],
+            &[ControlMessage::ScmRights(&many)],
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        assert_eq!(sent, 3);
+        let mut buf = [0u8; 64];
+        let mut fds = Vec::new();
+        let n = tokio::time::timeout(Duration::from_secs(5), r.read_fds(&mut buf, &mut fds))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(n, 3);
+        assert_eq!(fds.len(), many.len(), "every received descriptor is owned");
+        let ino = |fd: &OwnedFd| nix::sys::stat::fstat(fd.as_raw_fd()).unwrap().st_ino;
+        assert!(fds.iter().all(|fd| ino(fd) == ino(&file)));
     }
 }

@@ -1,66 +1,111 @@
-//! Prometheus text-format metrics (hand-rolled: a handful of counters and histograms does not
-//! justify a registry dependency).
+//! The supervisor's metrics: a `prometheus-client` [`Registry`] whose every series carries the
+//! `engine_id` and `role` labels, rendered in the OpenMetrics text format.
+//!
+//! The exposed series names are the ones the dashboards query (`deploy/dashboards`); they are
+//! spelled out in full here (counters with their `_total`, which `prometheus-client` appends
+//! itself, so it is stripped before registering).
 
-use std::fmt::Write as _;
+use std::borrow::Cow;
+use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram;
+use prometheus_client::registry::{Metric, Registry};
+
 use crate::{Phase, Status};
+
+/// `Content-Type` of [`Metrics::render`]'s output (OpenMetrics text, as `prometheus-client`
+/// encodes it).
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Histogram bucket upper bounds in seconds (failover work spans ms to minutes).
 const BUCKETS: [f64; 16] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
 
-/// A fixed-bucket histogram.
-#[derive(Debug, Default)]
+/// A fixed-bucket histogram of durations (seconds), registered in a [`Metrics`] registry.
+#[derive(Debug)]
 pub struct Histogram {
-    /// (per-bucket counts, not cumulative; sum of observations in seconds; count).
-    inner: Mutex<(Vec<u64>, f64, u64)>,
+    /// The registered histogram (shares its buckets with the registry's copy).
+    inner: histogram::Histogram,
+    /// Observations so far (the registry's histogram does not tell).
+    count: AtomicU64,
 }
 
 impl Histogram {
+    fn new() -> Histogram {
+        Histogram {
+            inner: histogram::Histogram::new(BUCKETS),
+            count: AtomicU64::new(0),
+        }
+    }
+
     /// Record one observation.
     pub fn observe(&self, d: Duration) {
-        let secs = d.as_secs_f64();
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if g.0.is_empty() {
-            g.0 = vec![0; BUCKETS.len()];
-        }
-        if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
-            g.0[i] += 1;
-        }
-        g.1 += secs;
-        g.2 += 1;
+        self.inner.observe(d.as_secs_f64());
+        self.count.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Number of observations so far.
     pub fn count(&self) -> u64 {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).2
+        self.count.load(Ordering::Relaxed)
     }
+}
 
-    fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
-        let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cum = 0u64;
-        for (i, b) in BUCKETS.iter().enumerate() {
-            cum += g.0.get(i).copied().unwrap_or(0);
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{b}\"}} {cum}");
-        }
-        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", g.2);
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", g.1);
-        let _ = writeln!(out, "{name}_count{{{labels}}} {}", g.2);
+/// A registered counter that reads and writes as the `AtomicU64` holding its value
+/// (`fetch_add` to count, `store` to copy a count kept elsewhere).
+#[derive(Debug, Clone, Default)]
+pub struct AtomicCounter(Counter<u64, AtomicU64>);
+
+impl Deref for AtomicCounter {
+    type Target = AtomicU64;
+    fn deref(&self) -> &AtomicU64 {
+        self.0.inner()
     }
+}
+
+/// A registered gauge that reads and writes as the `AtomicU64` holding its value.
+#[derive(Debug, Clone, Default)]
+pub struct AtomicGauge(Gauge<u64, AtomicU64>);
+
+impl Deref for AtomicGauge {
+    type Target = AtomicU64;
+    fn deref(&self) -> &AtomicU64 {
+        self.0.inner()
+    }
+}
+
+/// Labels of `supervisor_state`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    /// The phase ([`Phase::as_str`]).
+    state: &'static str,
+}
+
+/// Labels of `supervisor_transitions_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ToLabels {
+    /// The phase entered ([`Phase::as_str`]).
+    to: &'static str,
 }
 
 /// All supervisor metrics; labels `engine_id` and `role` on every series.
 #[derive(Debug)]
 pub struct Metrics {
-    /// Pre-rendered `engine_id="..",role=".."` label pair.
-    labels: String,
-    /// Transitions into each phase (indexed by [`Phase::index`]).
-    transitions: [AtomicU64; 5],
+    /// Everything below, registered; `engine_id` and `role` are its constant labels.
+    registry: Registry,
+    /// Serialises renders (each sets the status gauges, then encodes).
+    render_lock: Mutex<()>,
+    /// 1 for the current phase, 0 for the others (set from [`Status`] at render time).
+    state: Family<StateLabels, Gauge>,
+    /// Transitions into each phase.
+    transitions: Family<ToLabels, Counter>,
     /// Time spent in Waking (the engine's part of a failover).
     pub waking_seconds: Histogram,
     /// Time from lock grant to Active (waking plus supervisor overhead).
@@ -68,23 +113,37 @@ pub struct Metrics {
     /// Time to kill and reap the engine's whole process tree.
     pub fencing_seconds: Histogram,
     /// Engine restarts: starts recorded in `--restart-counter` before this one (0 without it).
-    pub engine_restarts: AtomicU64,
+    pub engine_restarts: AtomicCounter,
     /// Failed background health checks.
-    pub health_check_failures: AtomicU64,
+    pub health_check_failures: AtomicCounter,
     /// Lock connection breaks seen (reconnects attempted by the client).
-    pub lock_disconnects: AtomicU64,
+    pub lock_disconnects: AtomicCounter,
     /// Lock epoch of the current grant (0 = none).
-    pub lock_epoch: AtomicU64,
+    pub lock_epoch: AtomicGauge,
+    /// Last background health check result (set from [`Status`] at render time).
+    engine_healthy: Gauge,
     /// Before-wake GPU/GMS checks run (`--gms`/`--gpu`): how often a wake was gated.
-    pub gpu_wake_checks: AtomicU64,
+    pub gpu_wake_checks: AtomicCounter,
     /// Before-wake checks that failed (each kept an engine from waking into a hang or OOM).
-    pub gpu_wake_check_failures: AtomicU64,
+    pub gpu_wake_check_failures: AtomicCounter,
     /// After-reap memory-release checks run.
-    pub gpu_reap_checks: AtomicU64,
+    pub gpu_reap_checks: AtomicCounter,
     /// After-reap checks that timed out (memory still pinned when the lock was released).
-    pub gpu_reap_timeouts: AtomicU64,
+    pub gpu_reap_timeouts: AtomicCounter,
     /// Dead engines' processes still listed on the device when the reap check started.
-    pub gpu_engine_processes_seen: AtomicU64,
+    pub gpu_engine_processes_seen: AtomicCounter,
+    /// Lock connection up (set from [`Status`] at render time).
+    lock_connected: Gauge,
+}
+
+/// Register `metric`; `help` as documented (`prometheus-client` adds the final full stop).
+fn register(registry: &mut Registry, name: &str, help: &str, metric: impl Metric) {
+    registry.register(name, help.strip_suffix('.').unwrap_or(help), metric);
+}
+
+/// The name to register a counter under: `prometheus-client` appends `_total` itself.
+fn counter_name(exposed: &'static str) -> &'static str {
+    exposed.strip_suffix("_total").unwrap_or(exposed)
 }
 
 impl Metrics {
@@ -94,145 +153,170 @@ impl Metrics {
             .chars()
             .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
             .collect();
-        Metrics {
-            labels: format!("engine_id=\"{engine_id}\",role=\"{role}\""),
-            transitions: Default::default(),
-            waking_seconds: Histogram::default(),
-            grant_to_active_seconds: Histogram::default(),
-            fencing_seconds: Histogram::default(),
-            engine_restarts: AtomicU64::new(0),
-            health_check_failures: AtomicU64::new(0),
-            lock_disconnects: AtomicU64::new(0),
-            lock_epoch: AtomicU64::new(0),
-            gpu_wake_checks: AtomicU64::new(0),
-            gpu_wake_check_failures: AtomicU64::new(0),
-            gpu_reap_checks: AtomicU64::new(0),
-            gpu_reap_timeouts: AtomicU64::new(0),
-            gpu_engine_processes_seen: AtomicU64::new(0),
+        let mut registry = Registry::with_labels(
+            [
+                (
+                    Cow::Borrowed("engine_id"),
+                    Cow::Owned(engine_id.to_string()),
+                ),
+                (Cow::Borrowed("role"), Cow::Owned(role)),
+            ]
+            .into_iter(),
+        );
+        let m = Metrics {
+            registry: Registry::default(),
+            render_lock: Mutex::new(()),
+            state: Family::default(),
+            transitions: Family::default(),
+            waking_seconds: Histogram::new(),
+            grant_to_active_seconds: Histogram::new(),
+            fencing_seconds: Histogram::new(),
+            engine_restarts: AtomicCounter::default(),
+            health_check_failures: AtomicCounter::default(),
+            lock_disconnects: AtomicCounter::default(),
+            lock_epoch: AtomicGauge::default(),
+            engine_healthy: Gauge::default(),
+            gpu_wake_checks: AtomicCounter::default(),
+            gpu_wake_check_failures: AtomicCounter::default(),
+            gpu_reap_checks: AtomicCounter::default(),
+            gpu_reap_timeouts: AtomicCounter::default(),
+            gpu_engine_processes_seen: AtomicCounter::default(),
+            lock_connected: Gauge::default(),
+        };
+        // Every phase has its series from the start (0 until it happens).
+        for p in Phase::ALL {
+            drop(m.state.get_or_create(&StateLabels { state: p.as_str() }));
+            drop(m.transitions.get_or_create(&ToLabels { to: p.as_str() }));
         }
+        register(
+            &mut registry,
+            "supervisor_state",
+            "Current lifecycle phase (1 for the current one).",
+            m.state.clone(),
+        );
+        register(
+            &mut registry,
+            counter_name("supervisor_transitions_total"),
+            "Transitions into each phase.",
+            m.transitions.clone(),
+        );
+        register(
+            &mut registry,
+            "supervisor_waking_seconds",
+            "Time spent in Waking.",
+            m.waking_seconds.inner.clone(),
+        );
+        register(
+            &mut registry,
+            "supervisor_grant_to_active_seconds",
+            "Time from lock grant to Active.",
+            m.grant_to_active_seconds.inner.clone(),
+        );
+        register(
+            &mut registry,
+            "supervisor_fencing_seconds",
+            "Time to kill and reap the engine's process tree.",
+            m.fencing_seconds.inner.clone(),
+        );
+        register(
+            &mut registry,
+            counter_name("supervisor_engine_restarts_total"),
+            "Engine starts before this one (from --restart-counter).",
+            m.engine_restarts.0.clone(),
+        );
+        register(
+            &mut registry,
+            counter_name("supervisor_health_check_failures_total"),
+            "Failed background health checks.",
+            m.health_check_failures.0.clone(),
+        );
+        register(
+            &mut registry,
+            counter_name("supervisor_lock_disconnects_total"),
+            "Lock connection breaks.",
+            m.lock_disconnects.0.clone(),
+        );
+        register(
+            &mut registry,
+            "supervisor_lock_epoch",
+            "Epoch of the current lock grant (0 = none).",
+            m.lock_epoch.0.clone(),
+        );
+        register(
+            &mut registry,
+            "supervisor_engine_healthy",
+            "Last background health check result.",
+            m.engine_healthy.clone(),
+        );
+        register(
+            &mut registry,
+            counter_name("supervisor_gpu_wake_checks_total"),
+            "Before-wake GPU/GMS checks run.",
+            m.gpu_wake_checks.0.clone(),
+        );
+        register(
+            &mut registry,
+            counter_name("supervisor_gpu_wake_check_failures_total"),
+            "Before-wake GPU/GMS checks failed (engine not woken).",
+            m.gpu_wake_check_failures.0.clone(),
+        );
+        register(
+            &mut registry,
+            counter_name("supervisor_gpu_reap_checks_total"),
+            "After-reap GPU memory-release checks run.",
+            m.gpu_reap_checks.0.clone(),
+        );
+        register(
+            &mut registry,
+            counter_name("supervisor_gpu_reap_timeouts_total"),
+            "After-reap checks timed out (lock released with memory still pinned).",
+            m.gpu_reap_timeouts.0.clone(),
+        );
+        register(
+            &mut registry,
+            counter_name("supervisor_gpu_engine_processes_seen_total"),
+            "Dead engines' processes still on the device when the reap check started.",
+            m.gpu_engine_processes_seen.0.clone(),
+        );
+        register(
+            &mut registry,
+            "supervisor_lock_connected",
+            "Lock connection up.",
+            m.lock_connected.clone(),
+        );
+        Metrics { registry, ..m }
     }
 
     /// Count a transition into `to`.
     pub fn transition(&self, to: Phase) {
-        self.transitions[to.index()].fetch_add(1, Ordering::Relaxed);
+        self.transitions
+            .get_or_create(&ToLabels { to: to.as_str() })
+            .inc();
     }
 
     /// Transitions into `to` so far.
     pub fn transitions_into(&self, to: Phase) -> u64 {
-        self.transitions[to.index()].load(Ordering::Relaxed)
+        self.transitions
+            .get(&ToLabels { to: to.as_str() })
+            .map_or(0, |c| c.get())
     }
 
-    /// Render everything in Prometheus text format (0.0.4).
+    /// Render everything in the OpenMetrics text format ([`CONTENT_TYPE`]), taking the phase,
+    /// health and lock-connection gauges from `status`.
     pub fn render(&self, status: &Status) -> String {
-        let l = &self.labels;
-        let mut out = String::with_capacity(4096);
-        let _ = writeln!(
-            out,
-            "# HELP supervisor_state Current lifecycle phase (1 for the current one).\n# TYPE supervisor_state gauge"
-        );
+        let _serial = self.render_lock.lock().unwrap_or_else(|e| e.into_inner());
         for p in Phase::ALL {
-            let v = u8::from(p == status.phase);
-            let _ = writeln!(out, "supervisor_state{{{l},state=\"{p}\"}} {v}");
+            self.state
+                .get_or_create(&StateLabels { state: p.as_str() })
+                .set(i64::from(p == status.phase));
         }
-        let _ = writeln!(
-            out,
-            "# HELP supervisor_transitions_total Transitions into each phase.\n# TYPE supervisor_transitions_total counter"
-        );
-        for p in Phase::ALL {
-            let v = self.transitions_into(p);
-            let _ = writeln!(out, "supervisor_transitions_total{{{l},to=\"{p}\"}} {v}");
+        self.engine_healthy.set(i64::from(status.engine_healthy));
+        self.lock_connected.set(i64::from(status.lock_connected));
+        let mut out = String::with_capacity(8192);
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            // Only a gauge at u64::MAX fails to encode; serve what was rendered.
+            tracing::warn!(error = %e, "metrics encoding failed part-way");
         }
-        self.waking_seconds.render(
-            &mut out,
-            "supervisor_waking_seconds",
-            "Time spent in Waking.",
-            l,
-        );
-        self.grant_to_active_seconds.render(
-            &mut out,
-            "supervisor_grant_to_active_seconds",
-            "Time from lock grant to Active.",
-            l,
-        );
-        self.fencing_seconds.render(
-            &mut out,
-            "supervisor_fencing_seconds",
-            "Time to kill and reap the engine's process tree.",
-            l,
-        );
-        let gauges: [(&str, &str, &str, u64); 10] = [
-            (
-                "supervisor_engine_restarts_total",
-                "counter",
-                "Engine starts before this one (from --restart-counter).",
-                self.engine_restarts.load(Ordering::Relaxed),
-            ),
-            (
-                "supervisor_health_check_failures_total",
-                "counter",
-                "Failed background health checks.",
-                self.health_check_failures.load(Ordering::Relaxed),
-            ),
-            (
-                "supervisor_lock_disconnects_total",
-                "counter",
-                "Lock connection breaks.",
-                self.lock_disconnects.load(Ordering::Relaxed),
-            ),
-            (
-                "supervisor_lock_epoch",
-                "gauge",
-                "Epoch of the current lock grant (0 = none).",
-                self.lock_epoch.load(Ordering::Relaxed),
-            ),
-            (
-                "supervisor_engine_healthy",
-                "gauge",
-                "Last background health check result.",
-                u64::from(status.engine_healthy),
-            ),
-            (
-                "supervisor_gpu_wake_checks_total",
-                "counter",
-                "Before-wake GPU/GMS checks run.",
-                self.gpu_wake_checks.load(Ordering::Relaxed),
-            ),
-            (
-                "supervisor_gpu_wake_check_failures_total",
-                "counter",
-                "Before-wake GPU/GMS checks failed (engine not woken).",
-                self.gpu_wake_check_failures.load(Ordering::Relaxed),
-            ),
-            (
-                "supervisor_gpu_reap_checks_total",
-                "counter",
-                "After-reap GPU memory-release checks run.",
-                self.gpu_reap_checks.load(Ordering::Relaxed),
-            ),
-            (
-                "supervisor_gpu_reap_timeouts_total",
-                "counter",
-                "After-reap checks timed out (lock released with memory still pinned).",
-                self.gpu_reap_timeouts.load(Ordering::Relaxed),
-            ),
-            (
-                "supervisor_gpu_engine_processes_seen_total",
-                "counter",
-                "Dead engines' processes still on the device when the reap check started.",
-                self.gpu_engine_processes_seen.load(Ordering::Relaxed),
-            ),
-        ];
-        for (name, kind, help, v) in gauges {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{{l}}} {v}"
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP supervisor_lock_connected Lock connection up.\n# TYPE supervisor_lock_connected gauge\nsupervisor_lock_connected{{{l}}} {}",
-            u8::from(status.lock_connected)
-        );
         out
     }
 }
@@ -240,6 +324,41 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The samples of an exposition: `(series with labels, value)`, comments skipped.
+    fn samples(text: &str) -> Vec<(String, f64)> {
+        text.lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(|l| {
+                let (series, v) = l.rsplit_once(' ').expect("sample line has a value");
+                (series.to_string(), v.parse().expect("numeric sample value"))
+            })
+            .collect()
+    }
+
+    /// The value of exactly one series, failing loudly when it is absent.
+    fn value(text: &str, series: &str) -> f64 {
+        let found: Vec<f64> = samples(text)
+            .into_iter()
+            .filter(|(s, _)| s == series)
+            .map(|(_, v)| v)
+            .collect();
+        assert_eq!(found.len(), 1, "{series} once in\n{text}");
+        found[0]
+    }
+
+    /// Metric family names declared by `# TYPE` lines, with their types.
+    fn types(text: &str) -> Vec<(String, String)> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .map(|l| {
+                let (n, t) = l.split_once(' ').unwrap();
+                (n.to_string(), t.to_string())
+            })
+            .collect()
+    }
+
+    const L: &str = "engine_id=\"1\",role=\"shadow\"";
 
     #[test]
     fn renders_labelled_series() {
@@ -249,25 +368,212 @@ mod tests {
         let mut st = Status::new(1, "shadow");
         st.phase = Phase::Standby;
         let text = m.render(&st);
-        assert!(
-            text.contains("supervisor_state{engine_id=\"1\",role=\"shadow\",state=\"standby\"} 1")
+        assert_eq!(
+            value(&text, &format!("supervisor_state{{{L},state=\"standby\"}}")),
+            1.0
+        );
+        assert_eq!(
+            value(&text, &format!("supervisor_state{{{L},state=\"active\"}}")),
+            0.0
+        );
+        assert_eq!(
+            value(
+                &text,
+                &format!("supervisor_transitions_total{{{L},to=\"standby\"}}")
+            ),
+            1.0
+        );
+        assert_eq!(
+            value(
+                &text,
+                &format!("supervisor_transitions_total{{{L},to=\"active\"}}")
+            ),
+            0.0
+        );
+        assert_eq!(
+            value(
+                &text,
+                &format!("supervisor_waking_seconds_bucket{{{L},le=\"0.05\"}}")
+            ),
+            1.0
+        );
+        assert_eq!(
+            value(
+                &text,
+                &format!("supervisor_waking_seconds_bucket{{{L},le=\"0.025\"}}")
+            ),
+            0.0
+        );
+        assert_eq!(
+            value(
+                &text,
+                &format!("supervisor_waking_seconds_bucket{{{L},le=\"+Inf\"}}")
+            ),
+            1.0
+        );
+        assert_eq!(
+            value(&text, &format!("supervisor_waking_seconds_count{{{L}}}")),
+            1.0
         );
         assert!(
-            text.contains("supervisor_state{engine_id=\"1\",role=\"shadow\",state=\"active\"} 0")
+            (value(&text, &format!("supervisor_waking_seconds_sum{{{L}}}")) - 0.03).abs() < 1e-9
         );
-        assert!(text.contains(
-            "supervisor_transitions_total{engine_id=\"1\",role=\"shadow\",to=\"standby\"} 1"
-        ));
-        assert!(text.contains(
-            "supervisor_waking_seconds_bucket{engine_id=\"1\",role=\"shadow\",le=\"0.05\"} 1"
-        ));
-        assert!(text.contains(
-            "supervisor_waking_seconds_bucket{engine_id=\"1\",role=\"shadow\",le=\"0.025\"} 0"
-        ));
-        assert!(text.contains("supervisor_waking_seconds_count{engine_id=\"1\",role=\"shadow\"} 1"));
+        assert_eq!(
+            value(&text, &format!("supervisor_engine_restarts_total{{{L}}}")),
+            0.0
+        );
+        // The strings the end-to-end tests look for, verbatim.
+        assert!(text.contains(&format!("supervisor_state{{{L},state=\"standby\"}} 1\n")));
+        assert!(text.contains(&format!("supervisor_gpu_wake_checks_total{{{L}}} 0\n")));
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    #[test]
+    fn every_documented_series_is_rendered() {
+        let m = Metrics::new(3, "primary");
+        let text = m.render(&Status::new(3, "primary"));
+        let names: Vec<String> = samples(&text)
+            .into_iter()
+            .map(|(s, _)| s.split('{').next().unwrap().to_string())
+            .collect();
+        for n in [
+            "supervisor_state",
+            "supervisor_transitions_total",
+            "supervisor_waking_seconds_bucket",
+            "supervisor_waking_seconds_sum",
+            "supervisor_waking_seconds_count",
+            "supervisor_grant_to_active_seconds_bucket",
+            "supervisor_grant_to_active_seconds_count",
+            "supervisor_fencing_seconds_bucket",
+            "supervisor_fencing_seconds_count",
+            "supervisor_engine_restarts_total",
+            "supervisor_health_check_failures_total",
+            "supervisor_lock_disconnects_total",
+            "supervisor_lock_epoch",
+            "supervisor_engine_healthy",
+            "supervisor_gpu_wake_checks_total",
+            "supervisor_gpu_wake_check_failures_total",
+            "supervisor_gpu_reap_checks_total",
+            "supervisor_gpu_reap_timeouts_total",
+            "supervisor_gpu_engine_processes_seen_total",
+            "supervisor_lock_connected",
+        ] {
+            assert!(names.iter().any(|x| x == n), "{n} missing in\n{text}");
+        }
+        // Every sample carries both constant labels.
+        let all = samples(&text);
+        assert!(all.len() > 40, "{text}");
+        for (s, _) in &all {
+            assert!(s.contains("engine_id=\"3\",role=\"primary\""), "{s}");
+        }
+        let t = types(&text);
         assert!(
-            text.contains("supervisor_engine_restarts_total{engine_id=\"1\",role=\"shadow\"} 0")
+            t.contains(&("supervisor_transitions".into(), "counter".into())),
+            "{t:?}"
         );
+        assert!(
+            t.contains(&("supervisor_lock_epoch".into(), "gauge".into())),
+            "{t:?}"
+        );
+        assert!(
+            t.contains(&("supervisor_fencing_seconds".into(), "histogram".into())),
+            "{t:?}"
+        );
+    }
+
+    #[test]
+    fn counters_count_and_gauges_follow_status() {
+        let m = Metrics::new(0, "primary");
+        m.health_check_failures.fetch_add(2, Ordering::Relaxed);
+        m.health_check_failures.fetch_add(1, Ordering::Relaxed);
+        m.engine_restarts.store(7, Ordering::Relaxed);
+        m.lock_epoch.store(42, Ordering::Relaxed);
+        m.transition(Phase::Active);
+        m.transition(Phase::Active);
+        assert_eq!(m.transitions_into(Phase::Active), 2);
+        assert_eq!(m.transitions_into(Phase::Init), 0);
+        let mut st = Status::new(0, "primary");
+        st.engine_healthy = true;
+        st.lock_connected = true;
+        st.phase = Phase::Active;
+        let text = m.render(&st);
+        let l = "engine_id=\"0\",role=\"primary\"";
+        assert_eq!(
+            value(
+                &text,
+                &format!("supervisor_health_check_failures_total{{{l}}}")
+            ),
+            3.0
+        );
+        assert_eq!(
+            value(&text, &format!("supervisor_engine_restarts_total{{{l}}}")),
+            7.0
+        );
+        assert_eq!(value(&text, &format!("supervisor_lock_epoch{{{l}}}")), 42.0);
+        assert_eq!(
+            value(&text, &format!("supervisor_engine_healthy{{{l}}}")),
+            1.0
+        );
+        assert_eq!(
+            value(&text, &format!("supervisor_lock_connected{{{l}}}")),
+            1.0
+        );
+        assert_eq!(
+            value(
+                &text,
+                &format!("supervisor_transitions_total{{{l},to=\"active\"}}")
+            ),
+            2.0
+        );
+        st.engine_healthy = false;
+        st.phase = Phase::Dead;
+        let text = m.render(&st);
+        assert_eq!(
+            value(&text, &format!("supervisor_engine_healthy{{{l}}}")),
+            0.0
+        );
+        assert_eq!(
+            value(&text, &format!("supervisor_state{{{l},state=\"active\"}}")),
+            0.0
+        );
+        assert_eq!(
+            value(&text, &format!("supervisor_state{{{l},state=\"dead\"}}")),
+            1.0
+        );
+    }
+
+    #[test]
+    fn histograms_bucket_cumulatively() {
+        let m = Metrics::new(0, "primary");
+        for ms in [0, 3, 3, 700, 400_000] {
+            m.fencing_seconds.observe(Duration::from_millis(ms));
+        }
+        assert_eq!(m.fencing_seconds.count(), 5);
+        let text = m.render(&Status::new(0, "primary"));
+        let l = "engine_id=\"0\",role=\"primary\"";
+        let bucket = |le: &str| {
+            value(
+                &text,
+                &format!("supervisor_fencing_seconds_bucket{{{l},le=\"{le}\"}}"),
+            )
+        };
+        assert_eq!(bucket("0.001"), 1.0);
+        assert_eq!(bucket("0.0025"), 1.0);
+        assert_eq!(bucket("0.005"), 3.0);
+        assert_eq!(bucket("0.5"), 3.0);
+        assert_eq!(bucket("1.0"), 4.0);
+        assert_eq!(bucket("300.0"), 4.0);
+        assert_eq!(bucket("+Inf"), 5.0);
+        assert_eq!(
+            value(&text, &format!("supervisor_fencing_seconds_count{{{l}}}")),
+            5.0
+        );
+        // One bucket line per bound plus +Inf.
+        let n = samples(&text)
+            .iter()
+            .filter(|(s, _)| s.starts_with("supervisor_fencing_seconds_bucket{"))
+            .count();
+        assert_eq!(n, BUCKETS.len() + 1);
     }
 
     #[test]

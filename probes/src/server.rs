@@ -116,7 +116,7 @@ pub fn route(state: &ProbeState, method: &Method, path: &str) -> Response<Full<B
         "/metrics" => {
             let snapshot = state.read().clone();
             let body = state.metrics().render(&snapshot);
-            text(StatusCode::OK, body, "text/plain; version=0.0.4")
+            text(StatusCode::OK, body, crate::metrics::CONTENT_TYPE)
         }
         _ => text(StatusCode::NOT_FOUND, "not found\n", "text/plain"),
     }
@@ -159,6 +159,51 @@ mod tests {
         let code = buf[9..12].parse().unwrap();
         let body = buf.split("\r\n\r\n").nth(1).unwrap_or("").to_string();
         (code, body)
+    }
+
+    #[tokio::test]
+    async fn metrics_over_tcp_are_openmetrics_text() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let st = ProbeState::new(Status::new(4, "primary"));
+        st.enter(Phase::Standby, None);
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(listener, st.clone(), async {
+            let _ = rx.await;
+        }));
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut raw = String::new();
+        tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut raw))
+            .await
+            .unwrap()
+            .unwrap();
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains(&format!("content-type: {}", crate::metrics::CONTENT_TYPE)),
+            "{head}"
+        );
+        let line = body
+            .lines()
+            .find(|l| {
+                l.starts_with("supervisor_transitions_total{") && l.contains("to=\"standby\"")
+            })
+            .unwrap_or_else(|| panic!("no standby transitions in\n{body}"));
+        assert_eq!(
+            line,
+            "supervisor_transitions_total{engine_id=\"4\",role=\"primary\",to=\"standby\"} 1"
+        );
+        assert!(body.ends_with("# EOF\n"), "{body}");
+        tx.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), server)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
     }
 
     #[tokio::test]
