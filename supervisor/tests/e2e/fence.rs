@@ -1,9 +1,14 @@
-//! Fencing against real processes, in its own test process (fencing kills and reaps every
-//! descendant of the calling process, so it must not share a process with other tests).
+//! Fencing against real processes. Fencing kills and reaps every descendant of the calling
+//! process, so each test here holds the binary's exclusive [`serial`] guard: no other test's
+//! process exists meanwhile.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use crate::serial;
+use nix::sys::signal::Signal;
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
 use supervisor::process::{
     become_subreaper, fence, has_children, live_descendants, spawn_engine, tree_pids, EngineSpec,
 };
@@ -12,8 +17,9 @@ use supervisor::process::{
 /// period must escalate to SIGKILL, kill both, reap everything, and leave no child at all.
 #[tokio::test]
 async fn fence_kills_detached_grandchildren() {
-    let _guard = SERIAL.lock().await;
+    let _guard = serial();
     become_subreaper().unwrap();
+    reap_leftovers();
     let spec = EngineSpec {
         argv: vec![
             "sh".into(),
@@ -62,9 +68,10 @@ async fn fence_kills_detached_grandchildren() {
 /// Urgent fencing of an engine that already died: its orphans are SIGKILLed at once.
 #[tokio::test]
 async fn urgent_fence_does_not_wait_for_the_grace_period() {
-    // Fencing kills every descendant of this process: never run beside the other test.
-    let _guard = SERIAL.lock().await;
+    // Fencing kills every descendant of this process: never run beside another test.
+    let _guard = serial();
     become_subreaper().unwrap();
+    reap_leftovers();
     let spec = EngineSpec {
         argv: vec![
             "sh".into(),
@@ -91,7 +98,21 @@ fn ignores_sigterm(pid: i32) -> bool {
         .lines()
         .find_map(|l| l.strip_prefix("SigIgn:"))
         .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
-        .is_some_and(|mask| mask & (1 << (libc::SIGTERM - 1)) != 0)
+        .is_some_and(|mask| mask & (1 << (Signal::SIGTERM as i32 - 1)) != 0)
 }
 
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// Reaps zombie children left by earlier tests of this binary (orphans reparented to this
+/// process once it became a subreaper), so that `has_children()` speaks of this test only.
+/// Called under [`serial`]: no other test has a child to wait for.
+fn reap_leftovers() {
+    while let Ok(st) = waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+        if st == WaitStatus::StillAlive {
+            break;
+        }
+    }
+    assert!(
+        live_descendants().is_empty(),
+        "processes of another test still run: {:?}",
+        live_descendants()
+    );
+}

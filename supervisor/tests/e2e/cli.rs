@@ -3,6 +3,8 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::shared;
+
 fn sup() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_supervisor"));
     for (k, _) in std::env::vars() {
@@ -23,6 +25,7 @@ fn free_port() -> u16 {
 
 #[test]
 fn missing_flags_is_a_usage_error() {
+    let _process = shared();
     let out = sup().args(["run", "--engine-id", "0"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--role"));
@@ -30,6 +33,7 @@ fn missing_flags_is_a_usage_error() {
 
 #[test]
 fn unreachable_lockd_exits_17_without_spawning_the_engine() {
+    let _process = shared();
     let dir = tempfile::tempdir().unwrap();
     let marker = dir.path().join("engine-ran");
     let t = Instant::now();
@@ -54,6 +58,7 @@ fn unreachable_lockd_exits_17_without_spawning_the_engine() {
 
 #[test]
 fn flags_read_from_env_and_bad_durations_are_rejected() {
+    let _process = shared();
     let out = sup()
         .args([
             "run",
@@ -80,6 +85,7 @@ fn flags_read_from_env_and_bad_durations_are_rejected() {
 
 #[test]
 fn gpu_flags_parse_and_step_aside_without_a_driver() {
+    let _process = shared();
     let bad = sup()
         .args(["run", "--engine-id", "1", "--role", "shadow"])
         .args(["--lock", "unix:/nonexistent", "--probes", "127.0.0.1:1"])
@@ -108,7 +114,11 @@ fn gpu_flags_parse_and_step_aside_without_a_driver() {
     assert_eq!(out.status.code(), Some(17), "{out:?}");
     let err = String::from_utf8_lossy(&out.stderr);
     let has_driver = std::path::Path::new("/dev/nvidiactl").exists();
-    if !has_driver {
-        assert_eq!(err.matches("GPU device checks are off").count(), 1, "{err}");
+    let said = err.matches("GPU device checks are off").count();
+    if has_driver {
+        // A driver may still fail to load (no NVML library): then it is said once, never more.
+        assert!(said <= 1, "{err}");
+    } else {
+        assert_eq!(said, 1, "{err}");
     }
 }
