@@ -439,3 +439,53 @@ fn metrics_parser_reads_both_exposition_formats() {
         Some("a\"b")
     );
 }
+
+/// Bound on one short-lived command of these tests (`lockd hold`, `status`, `revoke`, a
+/// lockd expected to refuse to start).
+pub const CMD_LIMIT: Duration = Duration::from_secs(30);
+
+/// [`Command::output`] with a bound: stdin null, stdout and stderr captured, in its own
+/// process group; the group is SIGKILLed once the command has exited (leftovers) or when it
+/// runs past `limit` (then this panics: a test must not hang).
+pub trait OutputWithin {
+    fn output_within(&mut self, limit: Duration) -> std::io::Result<std::process::Output>;
+}
+
+impl OutputWithin for Command {
+    fn output_within(&mut self, limit: Duration) -> std::io::Result<std::process::Output> {
+        use std::io::Read;
+        self.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        let mut child = self.spawn()?;
+        let pgid = Pid::from_raw(child.id() as i32);
+        let reader = |mut r: Box<dyn Read + Send>| {
+            std::thread::spawn(move || {
+                let mut v = Vec::new();
+                let _ = r.read_to_end(&mut v);
+                v
+            })
+        };
+        let out = reader(Box::new(child.stdout.take().expect("piped stdout")));
+        let err = reader(Box::new(child.stderr.take().expect("piped stderr")));
+        let end = Instant::now() + limit;
+        let status = loop {
+            if let Some(st) = child.try_wait()? {
+                break st;
+            }
+            if Instant::now() >= end {
+                let _ = killpg(pgid, Signal::SIGKILL);
+                let _ = child.wait();
+                panic!("{self:?} did not finish within {limit:?}");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let _ = killpg(pgid, Signal::SIGKILL);
+        Ok(std::process::Output {
+            status,
+            stdout: out.join().unwrap_or_default(),
+            stderr: err.join().unwrap_or_default(),
+        })
+    }
+}

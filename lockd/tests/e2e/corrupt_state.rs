@@ -3,12 +3,11 @@
 use crate::common::*;
 
 fn try_start(dir: &std::path::Path, state: &std::path::Path) -> std::process::Output {
-    std::process::Command::new(BIN)
-        .args(["serve", "--listen"])
-        .arg(format!("unix:{}", dir.join("s.sock").display()))
-        .arg("--state")
-        .arg(state)
-        .output()
+    spec(dir, &[])
+        .socket(dir.join("s.sock"))
+        .state(state)
+        .command(std::path::Path::new(BIN))
+        .output_within(CMD_LIMIT)
         .unwrap()
 }
 

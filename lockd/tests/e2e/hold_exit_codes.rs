@@ -33,12 +33,12 @@ fn hold_exports_env_and_propagates_exit_codes() {
         &[],
         &["sh", "-c", "echo $LOCKD_RESOURCE:$LOCKD_EPOCH; exit 7"],
     )
-    .output()
+    .output_within(CMD_LIMIT)
     .unwrap();
     assert_eq!(out.status.code(), Some(7));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "engine:1");
     let out = hold_cmd(&l, "a", &[], &["sh", "-c", "kill -TERM $$"])
-        .output()
+        .output_within(CMD_LIMIT)
         .unwrap();
     assert_eq!(
         out.status.code(),
@@ -46,12 +46,12 @@ fn hold_exports_env_and_propagates_exit_codes() {
         "killed by SIGTERM -> 143"
     );
     let out = hold_cmd(&l, "a", &[], &["/nonexistent/cmd"])
-        .output()
+        .output_within(CMD_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(127));
     // Epochs keep increasing across holds.
     let out = hold_cmd(&l, "a", &[], &["sh", "-c", "echo $LOCKD_EPOCH"])
-        .output()
+        .output_within(CMD_LIMIT)
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "4");
 }
@@ -66,7 +66,7 @@ fn hold_times_out_with_75_while_the_lock_is_taken() {
     wait_epoch(&fa, Duration::from_secs(10));
     let t = Instant::now();
     let out = hold_cmd(&l, "b", &["--timeout", "300ms"], &["true"])
-        .output()
+        .output_within(CMD_LIMIT)
         .unwrap();
     assert_eq!(
         out.status.code(),
@@ -88,12 +88,12 @@ fn hold_without_lockd_exits_69() {
         .args(["hold", "--connect"])
         .arg(format!("unix:{}", d.path().join("nothing.sock").display()))
         .args(["--resource", "r", "--holder", "h", "--", "true"])
-        .output()
+        .output_within(CMD_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(69));
     let out = Command::new(BIN)
         .args(["status", "--connect", "tcp:127.0.0.1:1"])
-        .output()
+        .output_within(CMD_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(69));
 }

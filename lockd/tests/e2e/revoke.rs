@@ -25,7 +25,7 @@ fn revoke_tells_holder_and_keeps_lease_until_close() {
             "--reason",
             "maintenance",
         ])
-        .output()
+        .output_within(CMD_LIMIT)
         .unwrap();
     assert!(
         out.status.success(),
@@ -67,7 +67,7 @@ fn revoke_tells_holder_and_keeps_lease_until_close() {
             "--resource",
             "nothing",
         ])
-        .output()
+        .output_within(CMD_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not_held"));
@@ -108,7 +108,7 @@ fn revoke_over_tcp_requires_the_admin_token() {
             "engine",
         ])
         .env("LOCKD_ADMIN_TOKEN", "s3cret")
-        .output()
+        .output_within(CMD_LIMIT)
         .unwrap();
     assert!(
         out.status.success(),
@@ -130,12 +130,12 @@ fn hold_fences_its_command_when_revoked() {
     wait_waiters(&l, "engine", 1);
     let out = std::process::Command::new(BIN)
         .args(["revoke", "--connect", &l.endpoint(), "--resource", "engine"])
-        .output()
+        .output_within(CMD_LIMIT)
         .unwrap();
     assert!(out.status.success());
     // hold SIGTERMs its command, exits with its status, and the lease passes on.
     let st = a.wait_exit(Duration::from_secs(10));
-    assert_eq!(st.code(), Some(128 + libc::SIGTERM));
+    assert_eq!(st.code(), Some(128 + nix::sys::signal::Signal::SIGTERM as i32));
     let eb = wait_epoch(&fb, Duration::from_secs(10));
     assert!(eb > ea);
     let c = &l.status_json()["counters"];

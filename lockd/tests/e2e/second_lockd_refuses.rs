@@ -13,12 +13,11 @@ fn second_lockd_on_same_state_file_refuses() {
     let state_before = std::fs::read(l.state_path()).unwrap();
 
     // Same state file, different socket.
-    let out = std::process::Command::new(BIN)
-        .args(["serve", "--listen"])
-        .arg(format!("unix:{}", d.path().join("other.sock").display()))
-        .arg("--state")
-        .arg(l.state_path())
-        .output()
+    let out = spec(d.path(), &[])
+        .socket(d.path().join("other.sock"))
+        .state(l.state_path())
+        .command(std::path::Path::new(BIN))
+        .output_within(CMD_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
@@ -27,10 +26,10 @@ fn second_lockd_on_same_state_file_refuses() {
     assert!(!d.path().join("other.sock").exists());
 
     // Same socket, different state file.
-    let out = std::process::Command::new(BIN)
-        .args(["serve", "--listen", &l.endpoint(), "--state"])
-        .arg(d.path().join("other-state.json"))
-        .output()
+    let out = spec(d.path(), &[])
+        .state(d.path().join("other-state.json"))
+        .command(std::path::Path::new(BIN))
+        .output_within(CMD_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);

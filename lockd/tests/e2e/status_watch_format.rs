@@ -18,7 +18,7 @@ fn status_has_the_documented_shape_and_peer_credentials() {
 
     let out = Command::new(BIN)
         .args(["status", "--connect", &l.endpoint()])
-        .output()
+        .output_within(CMD_LIMIT)
         .unwrap();
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
@@ -42,8 +42,10 @@ fn status_has_the_documented_shape_and_peer_credentials() {
         a.pid(),
         "SO_PEERCRED pid of the holder"
     );
-    // SAFETY: getuid/getgid have no preconditions.
-    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let (uid, gid) = (
+        nix::unistd::getuid().as_raw(),
+        nix::unistd::getgid().as_raw(),
+    );
     assert_eq!(r["holder_peer"]["uid"], uid);
     assert_eq!(r["holder_peer"]["gid"], gid);
     assert!(
@@ -69,7 +71,16 @@ fn watch_streams_lease_changes() {
             .stdout(Stdio::piped())
             .stderr(Stdio::null()),
     );
-    let mut lines = BufReader::new(w.child.stdout.take().unwrap()).lines();
+    // Lines arrive through a reader thread so that every read is bounded.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let out = w.child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
     // Wait until the watcher is registered.
     wait_for(Duration::from_secs(10), "watcher session", || {
         let st = l.status_json();
@@ -86,8 +97,12 @@ fn watch_streams_lease_changes() {
     op.send(r#"{"op":"revoke","resource":"engine","reason":"test"}"#);
     op.recv_until("revoke_sent").unwrap();
     drop(a);
-    let mut next =
-        || -> serde_json::Value { serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap() };
+    let next = || -> serde_json::Value {
+        let line = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a watch line within 10 s");
+        serde_json::from_str(&line).unwrap()
+    };
     let e1 = next();
     assert_eq!(
         (
