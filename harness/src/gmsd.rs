@@ -220,12 +220,14 @@ impl Gmsd {
         let socket = self.spec.socket.clone();
         let log_path = self.log.clone();
         let child = self.child.as_mut().expect("just spawned");
-        wait_ready_or(&socket, Duration::from_secs(10), || match child.try_wait() {
-            Ok(Some(status)) => Some(GmsdError::Exited {
-                status,
-                log: std::fs::read_to_string(&log_path).unwrap_or_default(),
-            }),
-            _ => None,
+        wait_ready_or(&socket, Duration::from_secs(10), || {
+            match child.try_wait() {
+                Ok(Some(status)) => Some(GmsdError::Exited {
+                    status,
+                    log: std::fs::read_to_string(&log_path).unwrap_or_default(),
+                }),
+                _ => None,
+            }
         })
     }
 

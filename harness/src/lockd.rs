@@ -254,7 +254,9 @@ pub fn status_line(socket: &Path, timeout: Duration) -> Result<String, LockdErro
     loop {
         let mut line = String::new();
         if r.read_line(&mut line)? == 0 {
-            return Err(LockdError::Protocol("connection closed before status".into()));
+            return Err(LockdError::Protocol(
+                "connection closed before status".into(),
+            ));
         }
         match decode_event(line.as_bytes()) {
             Ok(Event::Status(_)) => return Ok(line),

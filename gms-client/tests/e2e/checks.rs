@@ -1,7 +1,6 @@
 //! `gms_client::checks`: GMS checks against real gmsd processes; device checks on a
 //! simulated device whose process list and free memory the tests control.
 
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

@@ -90,9 +90,7 @@ impl Gmsd {
     }
 
     pub fn start_at(socket: &Path) -> Gmsd {
-        let inner = harness::gmsd::Gmsd::start(
-            GmsdSpec::new(socket).bin(GMSD).log_filter("debug"),
-        );
+        let inner = harness::gmsd::Gmsd::start(GmsdSpec::new(socket).bin(GMSD).log_filter("debug"));
         Gmsd {
             socket: socket.to_path_buf(),
             inner,

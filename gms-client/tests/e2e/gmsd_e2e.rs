@@ -1,6 +1,5 @@
 //! Real `gmsd` processes, real sockets, real fds (host backend).
 
-
 use std::os::fd::AsRawFd;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

@@ -8,7 +8,6 @@
 //! holds rw, import when it holds ro). The interleaving is forced to the one Decision 5
 //! describes: A0 and B1 connect first, then A1 and B0.
 
-
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -1,7 +1,6 @@
 //! `gmsctl verify` against real gmsd processes: passes on a committed store, fails with a
 //! reason and its exit code otherwise.
 
-
 use std::time::{Duration, Instant};
 
 use crate::common::*;

@@ -315,7 +315,11 @@ impl Metrics {
                         .rfind('}')
                         .unwrap_or_else(|| panic!("unclosed labels in {line:?}"))
                         + i;
-                    (&line[..i], parse_labels(&line[i + 1..close]), &line[close + 1..])
+                    (
+                        &line[..i],
+                        parse_labels(&line[i + 1..close]),
+                        &line[close + 1..],
+                    )
                 }
                 None => {
                     let sp = line
@@ -371,9 +375,7 @@ fn parse_labels(s: &str) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     let mut rest = s.trim();
     while !rest.is_empty() {
-        let eq = rest
-            .find('=')
-            .unwrap_or_else(|| panic!("bad labels {s:?}"));
+        let eq = rest.find('=').unwrap_or_else(|| panic!("bad labels {s:?}"));
         let key = rest[..eq].trim().trim_start_matches(',').trim().to_string();
         let after = &rest[eq + 1..];
         assert!(after.starts_with('"'), "bad labels {s:?}");
@@ -431,11 +433,17 @@ fn metrics_parser_reads_both_exposition_formats() {
         assert_eq!(m.samples.len(), 3, "{page}");
         assert_eq!(m.value("lockd_grants_total", &[]), 2.0);
         assert_eq!(m.value("lockd_waiters", &[("resource", "engine")]), 1.0);
-        assert_eq!(m.value("lockd_handoff_seconds_bucket", &[("le", "+Inf")]), 1.0);
+        assert_eq!(
+            m.value("lockd_handoff_seconds_bucket", &[("le", "+Inf")]),
+            1.0
+        );
         assert_eq!(m.get("lockd_waiters", &[("resource", "other")]), None);
     }
     assert_eq!(
-        Metrics::parse(om).samples[1].labels.get("x").map(String::as_str),
+        Metrics::parse(om).samples[1]
+            .labels
+            .get("x")
+            .map(String::as_str),
         Some("a\"b")
     );
 }

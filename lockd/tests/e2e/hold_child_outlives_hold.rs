@@ -16,8 +16,10 @@ fn killing_hold_alone_keeps_the_lock_until_the_child_dies() {
     wait_waiters(&l, "engine", 1);
 
     // Kill only the `lockd hold` process, not its group.
-    // SAFETY: kill(2) on our child.
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(a.pid()), nix::sys::signal::Signal::SIGKILL);
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(a.pid()),
+        nix::sys::signal::Signal::SIGKILL,
+    );
     a.wait_exit(Duration::from_secs(5));
     assert!(pid_alive(child_pid), "the child must still run");
     std::thread::sleep(Duration::from_millis(500));
@@ -29,8 +31,10 @@ fn killing_hold_alone_keeps_the_lock_until_the_child_dies() {
     );
     assert_eq!(read_epoch(&fb), None);
 
-    // SAFETY: kill(2) on the orphaned child.
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child_pid), nix::sys::signal::Signal::SIGKILL);
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child_pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
     let eb = wait_epoch(&fb, Duration::from_secs(10));
     assert!(eb > ea);
 }

@@ -26,8 +26,10 @@ fn after_a_lockd_restart_killing_hold_alone_keeps_the_lock_until_the_child_dies(
     assert_eq!(resource(&st, "engine")["epoch"], ea);
 
     // Kill only the `lockd hold` process (the only holder of the new connection).
-    // SAFETY: kill(2) on our child.
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(a.pid()), nix::sys::signal::Signal::SIGKILL);
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(a.pid()),
+        nix::sys::signal::Signal::SIGKILL,
+    );
     a.wait_exit(Duration::from_secs(5));
     assert!(pid_alive(child_pid), "the child must still run");
     std::thread::sleep(Duration::from_millis(500));
@@ -39,8 +41,10 @@ fn after_a_lockd_restart_killing_hold_alone_keeps_the_lock_until_the_child_dies(
     );
     assert_eq!(read_epoch(&fb), None, "granted while the child lives");
 
-    // SAFETY: kill(2) on the orphaned child.
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child_pid), nix::sys::signal::Signal::SIGKILL);
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child_pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
     let eb = wait_epoch(&fb, Duration::from_secs(10));
     assert!(eb > ea);
 }

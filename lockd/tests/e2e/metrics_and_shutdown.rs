@@ -32,7 +32,12 @@ fn metrics_then_clean_sigterm_shutdown() {
         ("lockd_handoff_seconds_count", &[], 1.0),
         ("lockd_handoff_seconds_bucket", &[("le", "+Inf")], 1.0),
     ] {
-        assert_eq!(m.value(name, labels), want, "{name}{labels:?} in\n{}", m.text);
+        assert_eq!(
+            m.value(name, labels),
+            want,
+            "{name}{labels:?} in\n{}",
+            m.text
+        );
     }
 
     assert!(l.signal(nix::sys::signal::Signal::SIGTERM), "lockd runs");

@@ -135,7 +135,10 @@ fn hold_fences_its_command_when_revoked() {
     assert!(out.status.success());
     // hold SIGTERMs its command, exits with its status, and the lease passes on.
     let st = a.wait_exit(Duration::from_secs(10));
-    assert_eq!(st.code(), Some(128 + nix::sys::signal::Signal::SIGTERM as i32));
+    assert_eq!(
+        st.code(),
+        Some(128 + nix::sys::signal::Signal::SIGTERM as i32)
+    );
     let eb = wait_epoch(&fb, Duration::from_secs(10));
     assert!(eb > ea);
     let c = &l.status_json()["counters"];

@@ -48,5 +48,12 @@ fn stale_socket_of_a_dead_lockd_is_replaced() {
     l.kill();
     assert!(l.socket().exists(), "SIGKILL leaves the socket file behind");
     l.restart();
-    assert!(l.status_json()["resources"].is_array());
+    // The new lockd serves on the replaced socket: a client gets a lease through it.
+    let mut c = Conn::connect(l.socket()).unwrap();
+    c.send(r#"{"op":"acquire","resource":"engine","holder":"a"}"#);
+    let g = c
+        .recv_until("granted")
+        .expect("granted through the new socket");
+    assert_eq!(g["epoch"], 1);
+    assert_eq!(l.holder("engine").as_deref(), Some("a"));
 }
