@@ -594,3 +594,61 @@ impl Drop for Lockd {
         self.kill();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_line_has_every_configured_flag_in_order() {
+        let spec = LockdSpec::new("/d")
+            .tcp("127.0.0.1:0")
+            .reconnect_window(Duration::from_millis(1500))
+            .metrics("127.0.0.1:9")
+            .log_format(LogFormat::Json)
+            .log_filter("debug")
+            .args(["--busy-poll", "0"]);
+        let c = spec.command(Path::new("/bin/lockd"));
+        let args: Vec<String> = c
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            args,
+            [
+                "--log-format",
+                "json",
+                "serve",
+                "--listen",
+                "unix:/d/lockd.sock",
+                "--listen",
+                "tcp:127.0.0.1:0",
+                "--state",
+                "/d/lockd.state",
+                "--reconnect-window",
+                "1500ms",
+                "--metrics",
+                "127.0.0.1:9",
+                "--busy-poll",
+                "0"
+            ]
+        );
+        let log = c
+            .get_envs()
+            .find(|(k, _)| *k == "LOCKD_LOG")
+            .and_then(|(_, v)| v);
+        assert_eq!(log, Some(std::ffi::OsStr::new("debug")));
+        assert_eq!(spec.endpoint(), "unix:/d/lockd.sock");
+    }
+
+    #[test]
+    fn status_of_nothing_is_an_error_and_wait_ready_is_bounded() {
+        let d = tempfile::tempdir().unwrap();
+        let sock = d.path().join("none.sock");
+        assert!(status_at(&sock, Duration::from_millis(100)).is_err());
+        let t = Instant::now();
+        let e = wait_ready(&sock, Duration::from_millis(200)).unwrap_err();
+        assert!(matches!(e, LockdError::NotReady { .. }), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(5));
+    }
+}

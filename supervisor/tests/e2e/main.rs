@@ -6,6 +6,11 @@
 //! processes takes [`shared`], and a fencing test takes [`serial`] (exclusive): no process of
 //! another test exists while it fences.
 
+// The process guards (`serial()` / `shared()`) are std RwLock guards held for a whole test,
+// across awaits too: each `#[tokio::test]` body is driven by `block_on` on its own test thread
+// and no task of any runtime takes the lock, so holding it over an await cannot deadlock.
+#![allow(clippy::await_holding_lock)]
+
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 mod cli;
