@@ -1,13 +1,13 @@
 //! Benchmark: `gmsctl verify` on a store of COUNT allocations of SIZE bytes with one
 //! metadata entry each (host backend). Reports the median wall time of the `gmsctl verify`
-//! process (spawn included) and of the in-process `verify()` call.
+//! process (spawn included) and of the in-process `verify()` call. The median is the
+//! nearest-rank p50 of `harness::stats` (the workspace's one percentile definition).
 //!
 //!     cargo build --release -p gms-client --bins --examples
 //!     target/release/examples/verify_bench [--count 1000] [--size 2097152] [--iterations 21] [--fill]
 //!
 //! Uses `gmsd` and `gmsctl` from the same target directory as this example.
 
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -18,15 +18,6 @@ use gms_client::load::{write_one, LoadSpec};
 use gms_client::protocol::RequestedLockType;
 use gms_client::verify::{verify, VerifyOptions};
 
-struct Killer(std::process::Child);
-impl Drop for Killer {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child's process group.
-        unsafe { libc::kill(-(self.0.id() as i32), libc::SIGKILL) };
-        let _ = self.0.wait();
-    }
-}
-
 fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
     let args: Vec<String> = std::env::args().collect();
     args.iter()
@@ -36,9 +27,9 @@ fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
+/// Nearest-rank median (p50) of `v` (0 for no samples).
 fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+    harness::stats::percentile_of(&mut v, 50.0).unwrap_or(0.0)
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -57,19 +48,14 @@ async fn main() -> anyhow::Result<()> {
     if !gmsd.exists() || !gmsctl.exists() {
         bail!("build the binaries first: cargo build --release -p gms-client --bins --examples");
     }
-    let dir = std::env::temp_dir().join(format!("gms-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let socket = dir.join("gms.sock");
-    let _server = Killer(
-        Command::new(&gmsd)
-            .arg("--socket")
-            .arg(&socket)
-            .env("RUST_LOG", "warn")
-            .process_group(0)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?,
-    );
+    let dir = tempfile::Builder::new().prefix("gms-bench-").tempdir()?;
+    let socket = dir.path().join("gms.sock");
+    // The workspace's one gmsd launcher: own process group, killed on drop.
+    let _server = harness::gmsd::Gmsd::try_start(
+        harness::gmsd::GmsdSpec::new(&socket)
+            .bin(&gmsd)
+            .log_filter("warn"),
+    )?;
     let opts = ConnectOptions {
         connect_timeout: Duration::from_secs(10),
         ..ConnectOptions::default()
@@ -137,6 +123,5 @@ async fn main() -> anyhow::Result<()> {
         "target_ms": 200,
     });
     println!("{report}");
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }

@@ -15,15 +15,23 @@
 //!    floor under a one-resource cycle when lockd sleeps between requests.
 //!
 //! lockd runs with `LOCKD_LOG=warn` (set `LOCKD_BENCH_LOG=info` to include its per-transition
-//! log lines, written to a file in the bench directory).
+//! log lines, written to a file in the bench directory). It is started by `harness::lockd`,
+//! the workspace's one lockd launcher.
+//!
+//! Percentiles (median, p99) are **nearest rank** (`harness::stats::percentile`, the
+//! workspace's one definition): always one of the measured samples, never an interpolation.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use harness::lockd::{Lockd, LockdSpec};
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
 
 const LOCKD: &str = env!("CARGO_BIN_EXE_lockd");
 
@@ -51,21 +59,17 @@ fn spawn_group(cmd: &mut Command) -> Child {
 }
 
 fn kill_group(c: &mut Child) {
-    // SAFETY: kill(2) on a process group we created.
-    unsafe { libc::kill(-(c.id() as i32), libc::SIGKILL) };
+    let _ = killpg(Pid::from_raw(c.id() as i32), Signal::SIGKILL);
     let _ = c.wait();
 }
 
 /// Read one line from a child's stdout, bounded by `limit`.
 fn read_line_bounded(r: &mut BufReader<std::process::ChildStdout>, limit: Duration) -> String {
     if r.buffer().is_empty() {
-        let mut pfd = libc::pollfd {
-            fd: r.get_ref().as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: poll(2) on one valid pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, limit.as_millis() as i32) };
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        let mut fds = [PollFd::new(r.get_ref().as_fd(), PollFlags::POLLIN)];
+        let timeout = PollTimeout::try_from(limit).unwrap_or(PollTimeout::MAX);
+        let n = poll(&mut fds, timeout).unwrap_or(0);
         assert!(n > 0, "child printed nothing within {limit:?}");
     }
     let mut s = String::new();
@@ -82,26 +86,10 @@ fn wait_until(limit: Duration, what: &str, mut f: impl FnMut() -> bool) {
 }
 
 fn lockd_waiters(sock: &Path) -> usize {
-    let Ok(mut s) = UnixStream::connect(sock) else {
-        return 0;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    let _ = s.write_all(b"{\"op\":\"status\"}\n");
-    let mut r = BufReader::new(s);
-    loop {
-        let mut line = String::new();
-        if r.read_line(&mut line).unwrap_or(0) == 0 {
-            return 0;
-        }
-        let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
-        if v["event"] == "status" {
-            return v["resources"]
-                .as_array()
-                .and_then(|a| a.iter().find(|x| x["name"] == "bench"))
-                .and_then(|x| x["waiters"].as_array().map(|w| w.len()))
-                .unwrap_or(0);
-        }
-    }
+    harness::lockd::status_at(sock, Duration::from_secs(5))
+        .ok()
+        .and_then(|st| st.resources.into_iter().find(|r| r.name == "bench"))
+        .map_or(0, |r| r.waiters.len())
 }
 
 fn flock_blocked(pid: u32) -> bool {
@@ -183,8 +171,7 @@ fn round(tool: &Tool<'_>) -> f64 {
     std::thread::sleep(Duration::from_millis(5));
     let mut wr = BufReader::new(waiter.stdout.take().unwrap());
     let t_kill = realtime_ns();
-    // SAFETY: kill(2) on the holder's process group.
-    unsafe { libc::kill(-(holder.id() as i32), libc::SIGKILL) };
+    let _ = killpg(Pid::from_raw(holder.id() as i32), Signal::SIGKILL);
     let line = read_line_bounded(&mut wr, Duration::from_secs(10));
     let t_child: u128 = line.trim().parse().expect("date output");
     let _ = holder.wait();
@@ -193,9 +180,9 @@ fn round(tool: &Tool<'_>) -> f64 {
     (t_child.saturating_sub(t_kill)) as f64 / 1000.0
 }
 
+/// Nearest-rank percentile `p` (0..=100) of ascending `sorted` (non-empty: rounds >= 1).
 fn pct(sorted: &[f64], p: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
+    harness::stats::percentile(sorted, p).expect("at least one round")
 }
 
 /// The same cycle with one blocking OS thread per client (no async runtime in the client).
@@ -304,38 +291,36 @@ async fn throughput(sock: &Path, clients: usize, resources: usize, secs: u64) ->
     (total, total as f64 / elapsed)
 }
 
-/// user+system CPU seconds of a process, from /proc/PID/stat.
+/// user+system CPU seconds of a process, from the kernel's per-process CPU clock
+/// (`clock_getcpuclockid` + `clock_gettime`; 0 if the process is gone).
 fn cpu_secs(pid: u32) -> f64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = s.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<&str> = after.split_whitespace().collect();
-    // Fields after the comm: state is f[0]; utime and stime are fields 14 and 15 overall.
-    let ticks: f64 = f.get(11).and_then(|x| x.parse().ok()).unwrap_or(0.0)
-        + f.get(12).and_then(|x| x.parse().ok()).unwrap_or(0.0);
-    // SAFETY: sysconf has no preconditions.
-    ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+    use nix::time::{clock_getcpuclockid, clock_gettime};
+    clock_getcpuclockid(Pid::from_raw(pid as i32))
+        .and_then(clock_gettime)
+        .map_or(0.0, |t| t.tv_sec() as f64 + t.tv_nsec() as f64 / 1e9)
 }
 
-/// lockd's `/metrics` text (empty if it cannot be read).
+/// lockd's `/metrics` body, through the workspace's HTTP client (empty if it cannot be read).
 fn scrape(metrics: u16) -> String {
-    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", metrics)) else {
-        return String::new();
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    let _ = s.write_all(b"GET /metrics HTTP/1.1\r\n\r\n");
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    out
+    harness::http::get(
+        &format!("http://127.0.0.1:{metrics}/metrics"),
+        Duration::from_secs(5),
+    )
+    .filter(|r| r.status == 200)
+    .map(|r| r.body)
+    .unwrap_or_default()
 }
 
-/// The value of an unlabelled metric in a scrape (0 if absent).
+/// The value of an unlabelled metric in a scrape (0 if absent). Reads the sample's first
+/// token after the name, so the Prometheus text format and OpenMetrics (timestamps,
+/// exemplars, `# EOF`) both work.
 fn metric(scrape: &str, name: &str) -> f64 {
     scrape
         .lines()
         .find_map(|l| {
             l.strip_prefix(name)
                 .and_then(|v| v.strip_prefix(' '))
-                .and_then(|v| v.trim().parse::<f64>().ok())
+                .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
         })
         .unwrap_or(0.0)
 }
@@ -387,34 +372,19 @@ fn bare_round_trip(secs: f64) -> f64 {
     rate
 }
 
-fn start_lockd(dir: &Path, sock: &Path, state: &Path, metrics: u16, extra: &[&str]) -> Child {
-    let mut c = Command::new(LOCKD);
-    c.args([
-        "serve",
-        "--listen",
-        &format!("unix:{}", sock.display()),
-        "--state",
-    ])
-    .arg(state)
-    .args(["--metrics", &format!("127.0.0.1:{metrics}")])
-    .args(["--rate-limit", "1000000"])
-    .args(extra)
-    // Measure the shipped default unless `extra` says otherwise.
-    .env_remove("LOCKD_BUSY_POLL")
-    .env(
-        "LOCKD_LOG",
-        std::env::var("LOCKD_BENCH_LOG").unwrap_or_else(|_| "warn".into()),
+/// A lockd on `DIR/lockd.sock` and `DIR/state.json` with metrics on `metrics`, logging to
+/// `DIR/lockd.log`. The launcher removes every `LOCKD_*` variable of this environment (so the
+/// shipped `--busy-poll` default is measured unless `extra` says otherwise).
+fn start_lockd(dir: &Path, metrics: u16, extra: &[&str]) -> Lockd {
+    Lockd::start(
+        LockdSpec::new(dir)
+            .state(dir.join("state.json"))
+            .metrics(format!("127.0.0.1:{metrics}"))
+            .args(["--rate-limit", "1000000"])
+            .args(extra.iter().copied())
+            .log_filter(std::env::var("LOCKD_BENCH_LOG").unwrap_or_else(|_| "warn".into()))
+            .bin(LOCKD),
     )
-    .stdout(Stdio::null())
-    .stderr(Stdio::from(
-        std::fs::File::create(dir.join("lockd.log")).unwrap(),
-    ))
-    .process_group(0);
-    let child = c.spawn().expect("spawn lockd");
-    wait_until(Duration::from_secs(10), "lockd up", || {
-        UnixStream::connect(sock).is_ok()
-    });
-    child
 }
 
 fn main() {
@@ -430,8 +400,6 @@ fn main() {
         .prefix("lockd-bench")
         .tempdir_in(&base)
         .expect("tempdir");
-    let sock = dir.path().join("lockd.sock");
-    let state = dir.path().join("state.json");
     let flock_file = dir.path().join("flock.lock");
     std::fs::write(&flock_file, b"").unwrap();
     println!("lockd bench: state on {} ({}), {rounds} handoff rounds per tool, {clients} clients x {secs}s", base.display(), if base.starts_with("/dev/shm") { "tmpfs" } else { "not tmpfs" });
@@ -440,7 +408,9 @@ fn main() {
         .local_addr()
         .unwrap()
         .port();
-    let mut lockd = start_lockd(dir.path(), &sock, &state, metrics, &[]);
+    let mut lockd = start_lockd(dir.path(), metrics, &[]);
+    let sock = lockd.socket().to_path_buf();
+    let lockd_pid = lockd.pid().expect("lockd runs") as u32;
 
     let (mut l_us, mut f_us) = (Vec::new(), Vec::new());
     for i in 0..rounds {
@@ -452,9 +422,9 @@ fn main() {
     }
     l_us.sort_by(f64::total_cmp);
     f_us.sort_by(f64::total_cmp);
-    let (lm, lp) = (pct(&l_us, 0.5), pct(&l_us, 0.99));
-    let (fm, fp) = (pct(&f_us, 0.5), pct(&f_us, 0.99));
-    println!("\nhandoff: holder's process group SIGKILLed -> waiter's child running ({rounds} rounds each)");
+    let (lm, lp) = (pct(&l_us, 50.0), pct(&l_us, 99.0));
+    let (fm, fp) = (pct(&f_us, 50.0), pct(&f_us, 99.0));
+    println!("\nhandoff: holder's process group SIGKILLed -> waiter's child running ({rounds} rounds each; percentiles: nearest rank)");
     println!(
         "  {:<12} {:>10} {:>10} {:>10} {:>10}",
         "tool", "min us", "median us", "p99 us", "max us"
@@ -497,38 +467,32 @@ fn main() {
         .build()
         .unwrap();
     let bp0 = scrape(metrics);
-    let cpu0 = cpu_secs(lockd.id());
+    let cpu0 = cpu_secs(lockd_pid);
     let me0 = cpu_secs(std::process::id());
     let (n1, tp1) = rt.block_on(throughput(&sock, clients, 1, secs));
-    let cpu1 = cpu_secs(lockd.id());
+    let cpu1 = cpu_secs(lockd_pid);
     let me1 = cpu_secs(std::process::id());
     let bp1 = scrape(metrics);
     let (n8, tp8) = rt.block_on(throughput(&sock, clients, 8, secs));
-    let cpu8 = cpu_secs(lockd.id());
+    let cpu8 = cpu_secs(lockd_pid);
     let (nt, tpt) = throughput_threads(&sock, clients, 1, secs);
 
     // The same one-resource run against a second lockd with busy-polling off.
     let off_dir = dir.path().join("busy-poll-off");
     std::fs::create_dir(&off_dir).unwrap();
-    let off_sock = off_dir.join("lockd.sock");
     let off_metrics = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let mut off = start_lockd(
-        &off_dir,
-        &off_sock,
-        &off_dir.join("state.json"),
-        off_metrics,
-        &["--busy-poll", "0"],
-    );
-    let ocpu0 = cpu_secs(off.id());
+    let mut off = start_lockd(&off_dir, off_metrics, &["--busy-poll", "0"]);
+    let off_sock = off.socket().to_path_buf();
+    let off_pid = off.pid().expect("lockd runs") as u32;
+    let ocpu0 = cpu_secs(off_pid);
     let (no, tpo) = rt.block_on(throughput(&off_sock, clients, 1, secs));
-    let ocpu1 = cpu_secs(off.id());
-    // SAFETY: kill(2) on the lockd we started.
-    unsafe { libc::kill(off.id() as i32, libc::SIGTERM) };
-    let _ = off.wait();
+    let ocpu1 = cpu_secs(off_pid);
+    off.signal(Signal::SIGTERM);
+    let _ = off.wait_exit(Duration::from_secs(10));
     let bare = bare_round_trip(2.0);
 
     let per = |cpu: f64, n: u64| cpu * 1e6 / n.max(1) as f64;
@@ -582,13 +546,12 @@ fn main() {
         "\n{}",
         serde_json::json!({
             "rounds": rounds,
-            "handoff_us": {"lockd": {"median": lm, "p99": lp}, "flock": {"median": fm, "p99": fp}, "median_ratio": ratio},
+            "handoff_us": {"percentiles": "nearest rank", "lockd": {"median": lm, "p99": lp}, "flock": {"median": fm, "p99": fp}, "median_ratio": ratio},
             "throughput_cycles_per_s": {"clients": clients, "one_resource": tp1, "eight_resources": tp8, "one_resource_threads": tpt, "one_resource_busy_poll_off": tpo},
             "bare_round_trips_per_s": bare,
             "lockd_cpu_us_per_cycle": {"one_resource": c1, "eight_resources": c8, "one_resource_busy_poll_off": co},
         })
     );
-    // SAFETY: kill(2) on lockd, which we started.
-    unsafe { libc::kill(lockd.id() as i32, libc::SIGTERM) };
-    let _ = lockd.wait();
+    lockd.signal(Signal::SIGTERM);
+    let _ = lockd.wait_exit(Duration::from_secs(10));
 }

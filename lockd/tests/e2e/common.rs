@@ -1,0 +1,499 @@
+//! Shared helpers for lockd's integration tests: real `lockd` processes (started by
+//! `harness::lockd`, the workspace's one launcher) in their own process groups, temp dirs,
+//! loopback only, every wait bounded.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, killpg, Signal};
+use nix::unistd::Pid;
+use serde_json::Value;
+
+pub use harness::lockd::Lockd;
+use harness::lockd::LockdSpec;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_lockd");
+
+static PROCESS: RwLock<()> = RwLock::new(());
+
+/// Exclusive use of the test process: for tests that measure time or CPU, and for tests that
+/// hold descriptors without FD_CLOEXEC (a process spawned by a concurrent test would inherit
+/// them). Survives poisoning (a failed test does not fail the others).
+pub fn serial() -> RwLockWriteGuard<'static, ()> {
+    PROCESS.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Shared use of the test process: for tests that start processes but neither measure time
+/// nor leak descriptors; they run in parallel with each other, never with a [`serial`] one.
+pub fn shared() -> RwLockReadGuard<'static, ()> {
+    PROCESS.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Poll `f` every 10 ms until it returns Some, or panic after `limit`.
+pub fn wait_for<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A child process in its own process group; the group is SIGKILLed on drop.
+pub struct Group {
+    pub child: Child,
+    pub pgid: i32,
+}
+
+impl Group {
+    pub fn spawn(cmd: &mut Command) -> Group {
+        cmd.process_group(0);
+        let child = cmd.spawn().expect("spawn");
+        let pgid = child.id() as i32;
+        Group { child, pgid }
+    }
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+    /// Signals the leader only.
+    pub fn signal(&self, sig: Signal) {
+        let _ = kill(Pid::from_raw(self.pid()), sig);
+    }
+    pub fn signal_group(&self, sig: Signal) {
+        let _ = killpg(Pid::from_raw(self.pgid), sig);
+    }
+    pub fn kill_group(&mut self) {
+        self.signal_group(Signal::SIGKILL);
+        let _ = self.child.wait();
+    }
+    /// Wait (bounded) for the leader to exit; returns its exit status.
+    pub fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        wait_for(limit, "process exit", || {
+            self.child.try_wait().ok().flatten()
+        })
+    }
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        self.signal_group(Signal::SIGKILL);
+        let _ = self.child.wait();
+    }
+}
+
+/// The spec of the lockd these tests run: socket `DIR/lockd.sock`, state `DIR/state.json`,
+/// log `DIR/lockd.log` at level info, then `extra` flags.
+pub fn spec(dir: &Path, extra: &[&str]) -> LockdSpec {
+    LockdSpec::new(dir)
+        .state(dir.join("state.json"))
+        .log_filter("info")
+        .bin(BIN)
+        .args(extra.iter().copied())
+}
+
+/// Starts a lockd in `dir` (see [`spec`]) and waits until it answers.
+pub fn start_lockd(dir: &Path, extra: &[&str]) -> Lockd {
+    Lockd::start(spec(dir, extra))
+}
+
+/// One `status` round trip over the socket, as raw JSON.
+pub fn status_at(sock: &Path) -> std::io::Result<Value> {
+    let line = harness::lockd::status_line(sock, Duration::from_secs(5))
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    serde_json::from_str(&line).map_err(std::io::Error::other)
+}
+
+/// Resource `name` from a status object; panics if there is no such resource (so that an
+/// assertion on its fields cannot pass on `Null`).
+pub fn resource(st: &Value, name: &str) -> Value {
+    st["resources"]
+        .as_array()
+        .and_then(|a| a.iter().find(|r| r["name"] == name).cloned())
+        .unwrap_or_else(|| panic!("no resource {name:?} in status {st}"))
+}
+
+/// A raw line-protocol connection with bounded reads.
+pub struct Conn {
+    pub w: UnixStream,
+    pub r: BufReader<UnixStream>,
+}
+
+impl Conn {
+    pub fn connect(sock: &Path) -> std::io::Result<Conn> {
+        let s = UnixStream::connect(sock)?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let r = BufReader::new(s.try_clone()?);
+        Ok(Conn { w: s, r })
+    }
+    pub fn send(&mut self, line: &str) {
+        let _ = self.w.write_all(line.as_bytes());
+        let _ = self.w.write_all(b"\n");
+    }
+    /// Next event, or None on EOF / timeout / garbage.
+    pub fn recv(&mut self) -> Option<Value> {
+        let mut line = String::new();
+        match self.r.read_line(&mut line) {
+            Ok(0) | Err(_) => None,
+            Ok(_) => serde_json::from_str(&line).ok(),
+        }
+    }
+    /// Skip events until one named `event` (None on EOF/timeout).
+    pub fn recv_until(&mut self, event: &str) -> Option<Value> {
+        loop {
+            let v = self.recv()?;
+            if v["event"] == event {
+                return Some(v);
+            }
+        }
+    }
+    /// True when the server closed the connection (EOF) within the read timeout.
+    pub fn closed(&mut self) -> bool {
+        let mut buf = Vec::new();
+        loop {
+            buf.clear();
+            match self.r.read_until(b'\n', &mut buf) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                // Closed with our requests still unread: the kernel reports a reset.
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+                Err(_) => return false,
+            }
+        }
+    }
+}
+
+/// `lockd hold` running `sh -c SCRIPT`, whose stdout goes to `out`.
+pub fn hold(l: &Lockd, resource: &str, holder: &str, script: &str, extra: &[&str]) -> Group {
+    let mut c = Command::new(BIN);
+    c.arg("hold")
+        .arg("--connect")
+        .arg(l.endpoint())
+        .arg("--resource")
+        .arg(resource)
+        .arg("--holder")
+        .arg(holder)
+        .args(extra)
+        .arg("--")
+        .arg("sh")
+        .arg("-c")
+        .arg(script)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(l.dir().join(format!("hold-{holder}.log")))
+                .unwrap(),
+        ));
+    Group::spawn(&mut c)
+}
+
+/// Script that records LOCKD_EPOCH in `file` and then sleeps (as the "engine").
+pub fn record_epoch_and_sleep(file: &Path) -> String {
+    format!(
+        "echo $LOCKD_EPOCH > {f}.tmp && mv {f}.tmp {f}; echo $$ > {f}.pid; exec sleep 300",
+        f = file.display()
+    )
+}
+
+/// Read an epoch file written by [`record_epoch_and_sleep`].
+pub fn read_epoch(file: &Path) -> Option<u64> {
+    std::fs::read_to_string(file).ok()?.trim().parse().ok()
+}
+
+pub fn wait_epoch(file: &Path, limit: Duration) -> u64 {
+    wait_for(limit, &format!("epoch in {}", file.display()), || {
+        read_epoch(file)
+    })
+}
+
+/// The pid of the child started by [`record_epoch_and_sleep`] for `file` (it writes `FILE.pid`).
+pub fn wait_child_pid(file: &Path, limit: Duration) -> i32 {
+    let pid_file = PathBuf::from(format!("{}.pid", file.display()));
+    wait_for(limit, "child pid", || {
+        std::fs::read_to_string(&pid_file).ok()?.trim().parse().ok()
+    })
+}
+
+/// Wait until the status shows `n` waiters for `res` (so that grant order is known).
+pub fn wait_waiters(l: &Lockd, res: &str, n: usize) {
+    wait_for(Duration::from_secs(10), "waiters", || {
+        let st = l.try_status().ok()?;
+        (st.resources.iter().find(|r| r.name == res)?.waiters.len() == n).then_some(())
+    });
+}
+
+/// The process exists and is not a zombie (the workspace's one definition, `procfs::alive`).
+pub fn pid_alive(pid: i32) -> bool {
+    procfs::alive(pid)
+}
+
+/// The TCP port lockd logged for its `tcp:` listener (panics if not logged within 10 s).
+pub fn tcp_port(l: &Lockd) -> u16 {
+    l.logged_tcp_port(Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("no tcp listener in the log:\n{}", l.log_text()))
+}
+
+/// A raw TCP line connection (bounded reads).
+pub struct TcpConn {
+    pub w: std::net::TcpStream,
+    pub r: BufReader<std::net::TcpStream>,
+}
+
+impl TcpConn {
+    pub fn connect(port: u16) -> TcpConn {
+        let s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        TcpConn {
+            r: BufReader::new(s.try_clone().unwrap()),
+            w: s,
+        }
+    }
+    pub fn send(&mut self, line: &str) {
+        self.w.write_all(format!("{line}\n").as_bytes()).unwrap();
+    }
+    pub fn recv_until(&mut self, event: &str) -> Option<Value> {
+        loop {
+            let mut line = String::new();
+            if self.r.read_line(&mut line).ok()? == 0 {
+                return None;
+            }
+            let v: Value = serde_json::from_str(&line).ok()?;
+            if v["event"] == event || v["event"] == "error" {
+                return Some(v);
+            }
+        }
+    }
+}
+
+/// One sample of a Prometheus / OpenMetrics text exposition: `name{labels} value`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub value: f64,
+}
+
+/// A parsed `/metrics` page: samples only (`# HELP`, `# TYPE`, `# UNIT`, `# EOF` and exemplars
+/// ignored), so that assertions hold for the Prometheus text format and OpenMetrics alike.
+#[derive(Clone, Debug)]
+pub struct Metrics {
+    pub samples: Vec<Sample>,
+    pub text: String,
+}
+
+impl Metrics {
+    /// Parses an exposition; panics on a sample line it cannot read (a broken page must fail).
+    pub fn parse(text: &str) -> Metrics {
+        let mut samples = Vec::new();
+        for line in text.lines() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            // Drop an exemplar (` # {...} v`).
+            let line = line.split(" # ").next().unwrap_or(line);
+            let (name, labels, rest) = match line.find('{') {
+                Some(i) => {
+                    let close = line[i..]
+                        .rfind('}')
+                        .unwrap_or_else(|| panic!("unclosed labels in {line:?}"))
+                        + i;
+                    (
+                        &line[..i],
+                        parse_labels(&line[i + 1..close]),
+                        &line[close + 1..],
+                    )
+                }
+                None => {
+                    let sp = line
+                        .find(' ')
+                        .unwrap_or_else(|| panic!("no value in {line:?}"));
+                    (&line[..sp], BTreeMap::new(), &line[sp..])
+                }
+            };
+            let v = rest
+                .split_whitespace()
+                .next()
+                .unwrap_or_else(|| panic!("no value in {line:?}"));
+            let value = match v {
+                "+Inf" => f64::INFINITY,
+                "-Inf" => f64::NEG_INFINITY,
+                v => v
+                    .parse()
+                    .unwrap_or_else(|e| panic!("bad value {v:?} in {line:?}: {e}")),
+            };
+            samples.push(Sample {
+                name: name.to_string(),
+                labels,
+                value,
+            });
+        }
+        Metrics {
+            samples,
+            text: text.to_string(),
+        }
+    }
+
+    /// The value of the sample `name` whose labels include `labels` (None if absent).
+    pub fn get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        self.samples
+            .iter()
+            .find(|s| {
+                s.name == name
+                    && labels
+                        .iter()
+                        .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+            })
+            .map(|s| s.value)
+    }
+
+    /// Like [`get`](Self::get), panicking with the page when the sample is missing.
+    pub fn value(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.get(name, labels)
+            .unwrap_or_else(|| panic!("no {name}{labels:?} in\n{}", self.text))
+    }
+}
+
+fn parse_labels(s: &str) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let mut rest = s.trim();
+    while !rest.is_empty() {
+        let eq = rest.find('=').unwrap_or_else(|| panic!("bad labels {s:?}"));
+        let key = rest[..eq].trim().trim_start_matches(',').trim().to_string();
+        let after = &rest[eq + 1..];
+        assert!(after.starts_with('"'), "bad labels {s:?}");
+        let mut val = String::new();
+        let mut chars = after[1..].char_indices();
+        let mut end = None;
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '\\' => match chars.next() {
+                    Some((_, 'n')) => val.push('\n'),
+                    Some((_, c)) => val.push(c),
+                    None => {}
+                },
+                '"' => {
+                    end = Some(i + 2);
+                    break;
+                }
+                c => val.push(c),
+            }
+        }
+        let end = end.unwrap_or_else(|| panic!("unterminated label value in {s:?}"));
+        out.insert(key, val);
+        rest = after[end..].trim_start_matches([',', ' ']);
+    }
+    out
+}
+
+/// GET `/metrics` on loopback `port` through the workspace's HTTP client; panics unless the
+/// answer is 200.
+pub fn scrape(port: u16) -> Metrics {
+    let r = harness::http::get(
+        &format!("http://127.0.0.1:{port}/metrics"),
+        Duration::from_secs(5),
+    )
+    .unwrap_or_else(|| panic!("no answer from /metrics on port {port}"));
+    assert_eq!(r.status, 200, "GET /metrics: {}", r.body);
+    Metrics::parse(&r.body)
+}
+
+/// A loopback port free at the time of the call.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn metrics_parser_reads_both_exposition_formats() {
+    let prom = "# HELP lockd_grants_total Grants.\n# TYPE lockd_grants_total counter\nlockd_grants_total 2\nlockd_waiters{resource=\"engine\"} 1\nlockd_handoff_seconds_bucket{le=\"+Inf\"} 1\n";
+    let om = "# TYPE lockd_grants counter\nlockd_grants_total 2\nlockd_waiters{resource=\"engine\",x=\"a\\\"b\"} 1.0\nlockd_handoff_seconds_bucket{le=\"+Inf\"} 1 # {trace_id=\"x\"} 0.5\n# EOF\n";
+    for page in [prom, om] {
+        let m = Metrics::parse(page);
+        assert_eq!(m.samples.len(), 3, "{page}");
+        assert_eq!(m.value("lockd_grants_total", &[]), 2.0);
+        assert_eq!(m.value("lockd_waiters", &[("resource", "engine")]), 1.0);
+        assert_eq!(
+            m.value("lockd_handoff_seconds_bucket", &[("le", "+Inf")]),
+            1.0
+        );
+        assert_eq!(m.get("lockd_waiters", &[("resource", "other")]), None);
+    }
+    assert_eq!(
+        Metrics::parse(om).samples[1]
+            .labels
+            .get("x")
+            .map(String::as_str),
+        Some("a\"b")
+    );
+}
+
+/// Bound on one short-lived command of these tests (`lockd hold`, `status`, `revoke`, a
+/// lockd expected to refuse to start).
+pub const CMD_LIMIT: Duration = Duration::from_secs(30);
+
+/// [`Command::output`] with a bound: stdin null, stdout and stderr captured, in its own
+/// process group; the group is SIGKILLed once the command has exited (leftovers) or when it
+/// runs past `limit` (then this panics: a test must not hang).
+pub trait OutputWithin {
+    fn output_within(&mut self, limit: Duration) -> std::io::Result<std::process::Output>;
+}
+
+impl OutputWithin for Command {
+    fn output_within(&mut self, limit: Duration) -> std::io::Result<std::process::Output> {
+        use std::io::Read;
+        self.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        let mut child = self.spawn()?;
+        let pgid = Pid::from_raw(child.id() as i32);
+        let reader = |mut r: Box<dyn Read + Send>| {
+            std::thread::spawn(move || {
+                let mut v = Vec::new();
+                let _ = r.read_to_end(&mut v);
+                v
+            })
+        };
+        let out = reader(Box::new(child.stdout.take().expect("piped stdout")));
+        let err = reader(Box::new(child.stderr.take().expect("piped stderr")));
+        let end = Instant::now() + limit;
+        let status = loop {
+            if let Some(st) = child.try_wait()? {
+                break st;
+            }
+            if Instant::now() >= end {
+                let _ = killpg(pgid, Signal::SIGKILL);
+                let _ = child.wait();
+                panic!("{self:?} did not finish within {limit:?}");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let _ = killpg(pgid, Signal::SIGKILL);
+        Ok(std::process::Output {
+            status,
+            stdout: out.join().unwrap_or_default(),
+            stderr: err.join().unwrap_or_default(),
+        })
+    }
+}

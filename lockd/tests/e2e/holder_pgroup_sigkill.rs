@@ -1,0 +1,29 @@
+//! Holder's whole process group SIGKILLed → the next waiter is granted with a higher epoch.
+use crate::common::*;
+use std::time::Duration;
+
+#[test]
+fn holder_group_sigkill_hands_over_to_waiter_with_higher_epoch() {
+    let _process = shared();
+    let d = tempfile::tempdir().unwrap();
+    let l = start_lockd(d.path(), &[]);
+    let (fa, fb) = (d.path().join("a.epoch"), d.path().join("b.epoch"));
+    let mut a = hold(&l, "engine", "a", &record_epoch_and_sleep(&fa), &[]);
+    let ea = wait_epoch(&fa, Duration::from_secs(10));
+    let _b = hold(&l, "engine", "b", &record_epoch_and_sleep(&fb), &[]);
+    wait_waiters(&l, "engine", 1);
+    assert_eq!(
+        read_epoch(&fb),
+        None,
+        "waiter must not run while the holder lives"
+    );
+    a.kill_group();
+    let eb = wait_epoch(&fb, Duration::from_secs(10));
+    assert!(eb > ea, "epoch {eb} not above {ea}");
+    let st = l.status_json();
+    let r = resource(&st, "engine");
+    assert_eq!(r["holder"], "b");
+    assert_eq!(r["state"], "held");
+    assert_eq!(st["counters"]["releases"], 1);
+    assert_eq!(st["counters"]["grants"], 2);
+}

@@ -1,0 +1,37 @@
+//! lockd's integration tests, one binary: each module is one behaviour (they were one test
+//! binary each). Tests are threads of this process: tests that start processes take
+//! `common::shared()`; those that measure time or CPU, or hold descriptors a concurrently
+//! spawned process must not inherit, take `common::serial()` (exclusive).
+
+// The process guards (`serial()` / `shared()`) are std RwLock guards held for a whole test,
+// across awaits too: each `#[tokio::test]` body is driven by `block_on` on its own test thread
+// and no task of any runtime takes the lock, so holding it over an await cannot deadlock.
+#![allow(clippy::await_holding_lock)]
+
+mod common;
+
+mod anchor;
+mod bad_input_flood;
+mod bad_input_malformed;
+mod bad_input_oversized;
+mod bad_input_silent;
+mod busy_poll;
+mod chaos_kill_lockd;
+mod client_library;
+mod client_tcp_reclaim;
+mod core_model_proptest;
+mod corrupt_state;
+mod hold_child_outlives_hold;
+mod hold_child_outlives_hold_after_restart;
+mod hold_exit_codes;
+mod holder_pgroup_sigkill;
+mod json_logs;
+mod metrics_and_shutdown;
+mod proto_proptest;
+mod restart_both_crash;
+mod restart_holder_dead;
+mod restart_holder_healthy;
+mod restart_holder_hung;
+mod revoke;
+mod second_lockd_refuses;
+mod status_watch_format;

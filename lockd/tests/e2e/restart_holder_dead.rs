@@ -1,0 +1,36 @@
+//! Decision 8, row 2: lockd SIGKILLed, the holder dies while lockd is down → after the
+//! reconnect window the lease counts as expired and the waiter is granted a new epoch.
+use crate::common::*;
+use std::time::{Duration, Instant};
+
+#[test]
+fn dead_holder_expires_after_the_window_and_waiter_gets_new_epoch() {
+    let _process = shared();
+    let d = tempfile::tempdir().unwrap();
+    let mut l = start_lockd(d.path(), &["--reconnect-window", "1s"]);
+    let (fa, fb) = (d.path().join("a.epoch"), d.path().join("b.epoch"));
+    let mut a = hold(&l, "engine", "a", &record_epoch_and_sleep(&fa), &[]);
+    let ea = wait_epoch(&fa, Duration::from_secs(10));
+    let _b = hold(&l, "engine", "b", &record_epoch_and_sleep(&fb), &[]);
+    wait_waiters(&l, "engine", 1);
+
+    l.kill();
+    a.kill_group();
+    l.restart();
+    let restarted = Instant::now();
+    let st = l.status_json();
+    let r = resource(&st, "engine");
+    assert_eq!(r["state"], "reclaiming", "{st}");
+    assert_eq!(r["holder"], "a");
+    let eb = wait_epoch(&fb, Duration::from_secs(10));
+    let waited = restarted.elapsed();
+    assert!(
+        waited >= Duration::from_millis(500),
+        "granted after {waited:?}, inside the window"
+    );
+    assert!(eb > ea);
+    let st = l.status_json();
+    assert_eq!(resource(&st, "engine")["holder"], "b");
+    assert_eq!(st["counters"]["expirations"], 1);
+    assert_eq!(st["counters"]["releases"], 0);
+}

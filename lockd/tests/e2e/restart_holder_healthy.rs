@@ -1,0 +1,49 @@
+//! Decision 8, row 1: lockd SIGKILLed and restarted on the same state file while the holder
+//! is healthy → the holder reclaims its lease with the same epoch; no failover happens.
+use crate::common::*;
+use std::time::{Duration, Instant};
+
+#[test]
+fn healthy_holder_reclaims_same_epoch_and_waiter_stays_queued() {
+    let _process = serial();
+    let d = tempfile::tempdir().unwrap();
+    let mut l = start_lockd(d.path(), &["--reconnect-window", "3s"]);
+    let (fa, fb) = (d.path().join("a.epoch"), d.path().join("b.epoch"));
+    let mut a = hold(&l, "engine", "a", &record_epoch_and_sleep(&fa), &[]);
+    let ea = wait_epoch(&fa, Duration::from_secs(10));
+    let child_pid = wait_child_pid(&fa, Duration::from_secs(5));
+    let _b = hold(&l, "engine", "b", &record_epoch_and_sleep(&fb), &[]);
+    wait_waiters(&l, "engine", 1);
+
+    l.kill();
+    l.restart();
+    let restarted = Instant::now();
+    // The holder reconnects and reclaims well within the window.
+    let st = wait_for(Duration::from_secs(5), "reclaim", || {
+        let st = l.status_json();
+        (resource(&st, "engine")["state"] == "held").then_some(st)
+    });
+    let r = resource(&st, "engine");
+    assert_eq!(r["holder"], "a");
+    assert_eq!(r["epoch"], ea, "a reclaim keeps the epoch");
+    assert!(
+        restarted.elapsed() < Duration::from_secs(3),
+        "reclaimed before the window ended"
+    );
+    // Past the window: still no failover.
+    std::thread::sleep(Duration::from_millis(3200));
+    let st = l.status_json();
+    assert_eq!(resource(&st, "engine")["holder"], "a");
+    assert_eq!(st["counters"]["expirations"], 0);
+    assert_eq!(st["counters"]["reclaims"], 1);
+    assert_eq!(read_epoch(&fb), None, "no failover");
+    assert!(
+        a.alive() && pid_alive(child_pid),
+        "holder and its engine keep running"
+    );
+    // The waiter re-queued by itself after the restart and gets the lock when a dies.
+    assert_eq!(resource(&st, "engine")["waiters"], serde_json::json!(["b"]));
+    a.kill_group();
+    let eb = wait_epoch(&fb, Duration::from_secs(10));
+    assert!(eb > ea);
+}

@@ -1,0 +1,149 @@
+//! Revoke: lockd tells the holder (which fences itself), the lease stays until the holder's
+//! connection closes, it is counted as a revocation; over TCP revoke needs the admin token.
+use crate::common::*;
+use std::time::Duration;
+
+#[test]
+fn revoke_tells_holder_and_keeps_lease_until_close() {
+    let _process = shared();
+    let d = tempfile::tempdir().unwrap();
+    let l = start_lockd(d.path(), &[]);
+    let mut a = Conn::connect(l.socket()).unwrap();
+    a.send(r#"{"op":"acquire","resource":"engine","holder":"a"}"#);
+    let g = a.recv_until("granted").unwrap();
+    let mut b = Conn::connect(l.socket()).unwrap();
+    b.send(r#"{"op":"acquire","resource":"engine","holder":"b"}"#);
+    b.recv_until("queued").unwrap();
+
+    let out = std::process::Command::new(BIN)
+        .args([
+            "revoke",
+            "--connect",
+            &l.endpoint(),
+            "--resource",
+            "engine",
+            "--reason",
+            "maintenance",
+        ])
+        .output_within(CMD_LIMIT)
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ev = a.recv_until("revoked").expect("holder is told");
+    assert_eq!(ev["epoch"], g["epoch"]);
+    assert_eq!(ev["reason"], "maintenance");
+
+    std::thread::sleep(Duration::from_millis(200));
+    let st = l.status_json();
+    let r = resource(&st, "engine");
+    assert_eq!(
+        (r["holder"].as_str(), r["revoked"].as_bool()),
+        (Some("a"), Some(true)),
+        "{st}"
+    );
+    assert_eq!(st["counters"]["revocations"], 1);
+
+    drop(a); // the holder lets go
+    let gb = b
+        .recv_until("granted")
+        .expect("waiter granted once the holder closed");
+    assert!(gb["epoch"].as_u64() > g["epoch"].as_u64());
+    let st = l.status_json();
+    assert_eq!(st["counters"]["revocations"], 1);
+    assert_eq!(
+        st["counters"]["releases"], 0,
+        "a revoked lease counts as revoked, not released"
+    );
+
+    // Revoking a free resource is an error (exit 1).
+    let out = std::process::Command::new(BIN)
+        .args([
+            "revoke",
+            "--connect",
+            &l.endpoint(),
+            "--resource",
+            "nothing",
+        ])
+        .output_within(CMD_LIMIT)
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not_held"));
+}
+
+#[test]
+fn revoke_over_tcp_requires_the_admin_token() {
+    let _process = shared();
+    let d = tempfile::tempdir().unwrap();
+    let l = start_lockd(
+        d.path(),
+        &["--listen", "tcp:127.0.0.1:0", "--admin-token", "s3cret"],
+    );
+    let port = tcp_port(&l);
+    let mut a = TcpConn::connect(port);
+    a.send(r#"{"op":"acquire","resource":"engine","holder":"a"}"#);
+    assert_eq!(a.recv_until("granted").unwrap()["event"], "granted");
+
+    let mut op = TcpConn::connect(port);
+    op.send(r#"{"op":"revoke","resource":"engine"}"#);
+    assert_eq!(
+        op.recv_until("revoke_sent").unwrap()["code"],
+        "unauthorized"
+    );
+    op.send(r#"{"op":"revoke","resource":"engine","admin_token":"guess"}"#);
+    assert_eq!(
+        op.recv_until("revoke_sent").unwrap()["code"],
+        "unauthorized"
+    );
+    assert_eq!(l.status_json()["counters"]["revocations"], 0);
+
+    let out = std::process::Command::new(BIN)
+        .args([
+            "revoke",
+            "--connect",
+            &format!("tcp:127.0.0.1:{port}"),
+            "--resource",
+            "engine",
+        ])
+        .env("LOCKD_ADMIN_TOKEN", "s3cret")
+        .output_within(CMD_LIMIT)
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(a.recv_until("revoked").unwrap()["event"], "revoked");
+}
+
+#[test]
+fn hold_fences_its_command_when_revoked() {
+    let _process = shared();
+    let d = tempfile::tempdir().unwrap();
+    let l = start_lockd(d.path(), &[]);
+    let (fa, fb) = (d.path().join("a.epoch"), d.path().join("b.epoch"));
+    let mut a = hold(&l, "engine", "a", &record_epoch_and_sleep(&fa), &[]);
+    let ea = wait_epoch(&fa, Duration::from_secs(10));
+    let _b = hold(&l, "engine", "b", &record_epoch_and_sleep(&fb), &[]);
+    wait_waiters(&l, "engine", 1);
+    let out = std::process::Command::new(BIN)
+        .args(["revoke", "--connect", &l.endpoint(), "--resource", "engine"])
+        .output_within(CMD_LIMIT)
+        .unwrap();
+    assert!(out.status.success());
+    // hold SIGTERMs its command, exits with its status, and the lease passes on.
+    let st = a.wait_exit(Duration::from_secs(10));
+    assert_eq!(
+        st.code(),
+        Some(128 + nix::sys::signal::Signal::SIGTERM as i32)
+    );
+    let eb = wait_epoch(&fb, Duration::from_secs(10));
+    assert!(eb > ea);
+    let c = &l.status_json()["counters"];
+    assert_eq!(
+        (c["revocations"].as_u64(), c["releases"].as_u64()),
+        (Some(1), Some(0))
+    );
+}
