@@ -69,7 +69,7 @@ mod tests {
         let mut n = 0;
         holds_for(Duration::ZERO, Duration::from_millis(1), "x", || {
             n += 1;
-            Ok::<(), ()>(())
+            Ok::<(), String>(())
         });
         assert_eq!(n, 1);
         let r = std::panic::catch_unwind(|| {

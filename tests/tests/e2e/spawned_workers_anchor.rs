@@ -47,7 +47,7 @@ fn spawned_workers_without_lock_fds_keep_the_lock_through_process_anchors() {
             .map(|p| p.display().to_string())
             .collect();
         assert!(
-            fds.iter().any(|f| *f == claim),
+            fds.contains(&claim),
             "worker {w} does not hold the GPU claim {claim}: {fds:?}"
         );
         assert!(
