@@ -6,8 +6,8 @@
 //! * [`cluster`]: one test's world (temp dir, lockd, supervisors; [`Cluster`]),
 //! * [`lockd_compat`], [`gmsd_compat`]: `lockd serve` / `gmsd` launchers with the tests' API,
 //! * [`kubelet`]: a pure model of kubelet's prober worker,
-//! * [`serial`]: one process-starting test at a time in a test binary,
-//! * [`skip`]: recorded skips (`FAILOVER_SKIP_LOG`),
+//! * [`mod@serial`]: one process-starting test at a time in a test binary,
+//! * [`mod@skip`]: recorded skips (`FAILOVER_SKIP_LOG`),
 //! * [`wait`]: bounded polling, [`net`]: free loopback ports, [`clock`]: wall-clock µs,
 //! * [`stats`]: the one percentile definition (nearest rank) every report uses,
 //! * [`http`]: the one HTTP client (ureq; loopback, plain HTTP, bounded by a timeout).
