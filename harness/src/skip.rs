@@ -31,11 +31,16 @@ mod tests {
     fn a_skip_is_appended_to_the_log() {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("skips");
-        // Only this test sets the variable in this process (harness unit tests set no other).
+        // Only this test reads or sets the variable in this process (no other harness unit
+        // test skips); the runner's value (CI's log) is put back.
+        let before = std::env::var_os(SKIP_LOG_ENV);
         std::env::set_var(SKIP_LOG_ENV, &log);
         skip("t1", "no GPU");
         skip("t2", "not root");
-        std::env::remove_var(SKIP_LOG_ENV);
+        match before {
+            Some(v) => std::env::set_var(SKIP_LOG_ENV, v),
+            None => std::env::remove_var(SKIP_LOG_ENV),
+        }
         let text = std::fs::read_to_string(&log).unwrap();
         assert_eq!(text, "SKIP: t1: no GPU\nSKIP: t2: not root\n");
     }
