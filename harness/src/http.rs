@@ -16,19 +16,24 @@ fn agent(timeout: Duration) -> ureq::Agent {
     ureq::Agent::config_builder()
         .timeout_global(Some(timeout))
         .http_status_as_error(false)
+        // A redirect is an answer (kubelet counts 3xx as success); nothing here redirects.
+        .max_redirects(0)
         .build()
         .into()
 }
 
-/// GET `url`; `None` if no response came within `timeout` (refused, reset, timed out).
+/// GET `url`; `None` if no complete response came within `timeout` (refused, reset, timed
+/// out, body cut short).
 pub fn get(url: &str, timeout: Duration) -> Option<Response> {
     let mut r = agent(timeout).get(url).call().ok()?;
     let status = r.status().as_u16();
-    let body = r.body_mut().read_to_string().unwrap_or_default();
+    // A body cut short (the server died mid-answer) is no answer.
+    let body = String::from_utf8_lossy(&r.body_mut().read_to_vec().ok()?).into_owned();
     Some(Response { status, body })
 }
 
-/// POST `body` (as `application/json`) to `url`; `None` if no response came within `timeout`.
+/// POST `body` (as `application/json`) to `url`; `None` if no complete response came within
+/// `timeout`.
 pub fn post_json(url: &str, body: &str, timeout: Duration) -> Option<Response> {
     let mut r = agent(timeout)
         .post(url)
@@ -36,7 +41,8 @@ pub fn post_json(url: &str, body: &str, timeout: Duration) -> Option<Response> {
         .send(body)
         .ok()?;
     let status = r.status().as_u16();
-    let body = r.body_mut().read_to_string().unwrap_or_default();
+    // A body cut short (the server died mid-answer) is no answer.
+    let body = String::from_utf8_lossy(&r.body_mut().read_to_vec().ok()?).into_owned();
     Some(Response { status, body })
 }
 

@@ -1,9 +1,45 @@
 //! Real processes for the workspace's tests, benchmarks and the drill.
 //!
+//! * [`bins`]: where the workspace's binaries are (next to the running executable),
+//! * [`proc`]: a child process in its own process group, killed on drop, with a log file,
+//! * [`supervisor`]: one `supervisor run` + fake engine ([`SupOpts`], [`Sup`]),
+//! * [`cluster`]: one test's world (temp dir, lockd, supervisors; [`Cluster`]),
+//! * [`lockd`], [`gmsd`]: THE `lockd serve` / `gmsd` launchers (spec -> `Command`, readiness,
+//!   a sync owner); [`lockd_compat`], [`gmsd_compat`]: the end-to-end tests' older API,
+//! * [`kubelet`]: a pure model of kubelet's prober worker,
+//! * [`mod@serial`]: one process-starting test at a time in a test binary,
+//! * [`mod@skip`]: recorded skips (`FAILOVER_SKIP_LOG`),
+//! * [`wait`]: bounded polling, [`net`]: free loopback ports, [`clock`]: wall-clock µs,
 //! * [`stats`]: the one percentile definition (nearest rank) every report uses,
 //! * [`http`]: the one HTTP client (ureq; loopback, plain HTTP, bounded by a timeout).
+//!
+//! Process questions (alive, descendants, command lines) go to the `procfs` crate.
 
+pub mod bins;
+pub mod clock;
+pub mod cluster;
 pub mod gmsd;
+pub mod gmsd_compat;
 pub mod http;
+pub mod kubelet;
 pub mod lockd;
+pub mod lockd_compat;
+pub mod net;
+pub mod proc;
+pub mod serial;
+pub mod skip;
 pub mod stats;
+pub mod supervisor;
+pub mod wait;
+
+pub use bins::{bin, must_bin, HarnessError};
+pub use clock::unix_us;
+pub use cluster::Cluster;
+pub use gmsd_compat::Gmsd;
+pub use lockd_compat::Lockd;
+pub use net::{free_addr, free_port};
+pub use proc::{kill, Proc};
+pub use serial::serial;
+pub use skip::{skip, SKIP_LOG_ENV};
+pub use supervisor::{Sup, SupOpts};
+pub use wait::{holds_for, wait_until};

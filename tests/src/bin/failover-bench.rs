@@ -14,7 +14,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use failover_tests::{get, http, transition_at, unix_us, wait_until, Cluster, Sup, SupOpts};
+use harness::stats::percentile_of;
+use harness::{kill, unix_us, wait_until, Cluster, Sup, SupOpts};
+use nix::sys::signal::Signal;
+use probes::{MarkKind, Phase as SupPhase};
 
 /// Failover benchmark.
 #[derive(Debug, Parser)]
@@ -50,14 +53,9 @@ struct Sample {
 
 const T: Duration = Duration::from_secs(30);
 
+/// Nearest-rank percentile of `v` (µs) in milliseconds; NaN for no samples.
 fn pct(v: &mut [i64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_unstable();
-    // Nearest rank.
-    let rank = ((p / 100.0) * v.len() as f64).ceil().max(1.0) as usize;
-    v[rank.min(v.len()) - 1] as f64 / 1000.0
+    percentile_of(v, p).map_or(f64::NAN, |x| x as f64 / 1000.0)
 }
 
 fn start(c: &mut Cluster, id: u32, role: &'static str) -> Sup {
@@ -67,13 +65,13 @@ fn start(c: &mut Cluster, id: u32, role: &'static str) -> Sup {
             .engine(&["--wake", "0ms", "--sleep", "0ms"]),
     );
     let want = if role == "primary" {
-        "active"
+        SupPhase::Active
     } else {
-        "standby"
+        SupPhase::Standby
     };
     assert!(
         s.wait_phase(want, T),
-        "engine {id} not {want}{}",
+        "engine {id} not {want:?}{}",
         c.dump_logs()
     );
     s
@@ -92,9 +90,9 @@ fn live_load(
         let mut errors = 0;
         while !stop.load(Ordering::Relaxed) {
             let t = Instant::now();
-            match http(addr, "GET", "/live", "", Duration::from_secs(1)) {
-                Ok(_) => lat.push(t.elapsed().as_micros() as i64),
-                Err(_) => errors += 1,
+            match harness::http::get(&format!("http://{addr}/live"), Duration::from_secs(1)) {
+                Some(_) => lat.push(t.elapsed().as_micros() as i64),
+                None => errors += 1,
             }
             next += period;
             let now = Instant::now();
@@ -145,10 +143,9 @@ fn run_phase(c: &mut Cluster, next_id: &mut u32, n: usize, load_rps: Option<u32>
             std::thread::sleep(Duration::from_millis(100));
         }
         let t_kill = unix_us();
-        // SAFETY: kill(2) on the active engine's pid.
-        unsafe { libc::kill(pids[0], libc::SIGKILL) };
+        assert!(kill(pids[0], Signal::SIGKILL), "engine {} is gone", pids[0]);
         let ok = wait_until(T, Duration::from_millis(1), || {
-            get(shadow.probes, "/ready").map(|x| x.0) == Some(200)
+            shadow.probe("/ready") == Some(200)
         });
         let t_ready = unix_us();
         assert!(ok, "iteration {i}: shadow never ready{}", c.dump_logs());
@@ -162,13 +159,20 @@ fn run_phase(c: &mut Cluster, next_id: &mut u32, n: usize, load_rps: Option<u32>
         }
         let old = active.state().expect("old supervisor lingers");
         let new = shadow.state().expect("new supervisor /state");
-        let m = |v: &serde_json::Value, k: &str| v["marks"][k].as_i64().unwrap_or(0) - t_kill;
+        let m = |d: &probes::StateDoc, k: MarkKind| {
+            d.mark(k)
+                .unwrap_or_else(|| panic!("iteration {i}: no {k} mark: {d:?}"))
+                - t_kill
+        };
         let s = Sample {
-            detected: m(&old, "engine_exit_detected"),
-            reaped: m(&old, "fenced"),
-            released: m(&old, "lock_closed"),
-            granted: m(&new, "lock_granted"),
-            woken: transition_at(&new, "active").unwrap_or(0) - t_kill,
+            detected: m(&old, MarkKind::EngineExitDetected),
+            reaped: m(&old, MarkKind::Fenced),
+            released: m(&old, MarkKind::LockClosed),
+            granted: m(&new, MarkKind::LockGranted),
+            woken: new
+                .entered(SupPhase::Active)
+                .unwrap_or_else(|| panic!("iteration {i}: no Active transition: {new:?}"))
+                - t_kill,
             ready: t_ready - t_kill,
         };
         assert!(c.violations().is_empty(), "SPLIT BRAIN: {}", c.violations());

@@ -1,0 +1,81 @@
+//! The command line (every flag also from a `FAKE_ENGINE_*` variable).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+fn dur(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| e.to_string())
+}
+
+/// Stage at which to fail on purpose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FailAt {
+    /// Exit with status 3 after the init delay, before serving.
+    Init,
+    /// Answer `/sleep` with 500 (the engine stays up: the supervisor must fence it).
+    Sleep,
+    /// Answer `/wake_up` with 500.
+    Wake,
+    /// Once awake (or after the first completion if never slept): `/health` 503, completions 500.
+    Serve,
+}
+
+/// Fake vLLM engine.
+#[derive(Debug, Parser)]
+#[command(name = "fake-engine")]
+pub struct Args {
+    /// HTTP port.
+    #[arg(long, env = "FAKE_ENGINE_PORT")]
+    pub port: u16,
+    /// HTTP bind address.
+    #[arg(long, env = "FAKE_ENGINE_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Model load time (no HTTP answer meanwhile).
+    #[arg(long, env = "FAKE_ENGINE_INIT", value_parser = dur, default_value = "0s")]
+    pub init: Duration,
+    /// Time a sleep call takes.
+    #[arg(long, env = "FAKE_ENGINE_SLEEP", value_parser = dur, default_value = "0s")]
+    pub sleep: Duration,
+    /// Time a wake call takes (`1h` simulates a hung wake).
+    #[arg(long, env = "FAKE_ENGINE_WAKE", value_parser = dur, default_value = "0s")]
+    pub wake: Duration,
+    /// Fail on purpose at this stage.
+    #[arg(long, env = "FAKE_ENGINE_FAIL_AT", value_enum)]
+    pub fail_at: Option<FailAt>,
+    /// Worker processes (tensor-parallel workers); they die with the engine.
+    #[arg(long, env = "FAKE_ENGINE_WORKERS", default_value_t = 0)]
+    pub workers: u32,
+    /// Workers setsid(), ignore SIGTERM and outlive the engine (vllm-project/vllm#55510).
+    #[arg(long, env = "FAKE_ENGINE_DETACH_WORKERS")]
+    pub detach_workers: bool,
+    /// Workers close the lock descriptors the engine inherited (`LOCKD_FD`,
+    /// `LOCKD_ANCHOR_FD`), as Python's `spawn` start method does.
+    #[arg(long, env = "FAKE_ENGINE_WORKERS_CLOSE_LOCK_FDS")]
+    pub workers_close_lock_fds: bool,
+    /// Engine id named in completions and logs (the supervisor sets ENGINE_ID).
+    #[arg(long, env = "ENGINE_ID", default_value_t = 0)]
+    pub engine_id: u32,
+    /// Exclusive "GPU memory" claim file (see module docs).
+    #[arg(long, env = "FAKE_ENGINE_GPU_CLAIM")]
+    pub gpu_claim: Option<PathBuf>,
+    /// Clear the parent-death signal the supervisor set: models an engine that outlives its
+    /// supervisor (for tests of what holds the lock then).
+    #[arg(long, env = "FAKE_ENGINE_SURVIVE_SUPERVISOR")]
+    pub survive_supervisor: bool,
+    /// Write the engine's and its workers' pids here (one per line) once spawned.
+    #[arg(long, env = "FAKE_ENGINE_PID_FILE")]
+    pub pid_file: Option<PathBuf>,
+    /// Non-detached workers outlive the engine's main process by this long (they notice its
+    /// exit and linger, holding every inherited fd, then exit). 0: they die with it.
+    #[arg(long, env = "FAKE_ENGINE_WORKER_LINGER", value_parser = dur, default_value = "0s")]
+    pub worker_linger: Duration,
+    /// Simulated GPU directory (`gms_client::simdev` format): register the engine's processes
+    /// there while the GPU claim is held.
+    #[arg(long, env = "FAKE_ENGINE_GPU_SIM")]
+    pub gpu_sim: Option<PathBuf>,
+    /// Bytes each process registers on the simulated GPU.
+    #[arg(long, env = "FAKE_ENGINE_GPU_SIM_BYTES", default_value_t = 20 << 30)]
+    pub gpu_sim_bytes: u64,
+}

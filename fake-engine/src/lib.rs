@@ -1,1 +1,0 @@
-//! placeholder (moved here from tests/src/bin/fake-engine.rs)

@@ -1,0 +1,181 @@
+//! One `supervisor run` wrapping a fake engine: how to start it ([`SupOpts`]) and the running
+//! pair ([`Sup`]): its probes, its typed `/state`, the engine's pids and HTTP API.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use probes::{MarkKind, Phase, StateDoc};
+
+use crate::proc::Proc;
+use crate::wait::wait_until;
+
+/// The timeout of every HTTP call the harness makes to a supervisor or an engine.
+pub const HTTP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How to start one supervisor + fake engine.
+#[derive(Clone, Debug)]
+pub struct SupOpts {
+    /// `--engine-id`.
+    pub engine_id: u32,
+    /// `primary` or `shadow`.
+    pub role: &'static str,
+    /// Extra `supervisor run` flags.
+    pub sup_args: Vec<String>,
+    /// Extra `fake-engine` flags.
+    pub engine_args: Vec<String>,
+    /// Adapter (`vllm` / `sglang`).
+    pub adapter: &'static str,
+}
+
+impl SupOpts {
+    /// Defaults for `engine_id` / `role`.
+    pub fn new(engine_id: u32, role: &'static str) -> SupOpts {
+        SupOpts {
+            engine_id,
+            role,
+            sup_args: Vec::new(),
+            engine_args: Vec::new(),
+            adapter: "vllm",
+        }
+    }
+
+    /// Add supervisor flags.
+    pub fn sup(mut self, a: &[&str]) -> SupOpts {
+        self.sup_args.extend(a.iter().map(|s| s.to_string()));
+        self
+    }
+
+    /// Add fake-engine flags.
+    pub fn engine(mut self, a: &[&str]) -> SupOpts {
+        self.engine_args.extend(a.iter().map(|s| s.to_string()));
+        self
+    }
+
+    /// Use another adapter (`sglang`).
+    pub fn adapter(mut self, adapter: &'static str) -> SupOpts {
+        self.adapter = adapter;
+        self
+    }
+}
+
+/// A running supervisor (its engine is its child).
+#[derive(Debug)]
+pub struct Sup {
+    /// The supervisor process.
+    pub proc: Proc,
+    /// Probe address.
+    pub probes: SocketAddr,
+    /// Engine HTTP address.
+    pub engine: SocketAddr,
+    /// Pid file written by the fake engine.
+    pub pid_file: PathBuf,
+    /// Engine id.
+    pub engine_id: u32,
+}
+
+/// GET `path` on `addr` with [`HTTP_TIMEOUT`]: (status, body), `None` if nothing answers.
+pub fn get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    crate::http::get(&format!("http://{addr}{path}"), HTTP_TIMEOUT).map(|r| (r.status, r.body))
+}
+
+/// `/state` of the supervisor whose probe server is `addr`, typed; `None` if nothing answers.
+/// Panics if it answers something that is not a `/state` document (a broken contract).
+pub fn state_of(addr: SocketAddr) -> Option<StateDoc> {
+    let (code, body) = get(addr, "/state")?;
+    assert_eq!(code, 200, "/state answered {code}: {body}");
+    Some(
+        StateDoc::parse(&body).unwrap_or_else(|e| panic!("/state is not a StateDoc ({e}): {body}")),
+    )
+}
+
+impl Sup {
+    /// GET a probe; status code or None when nothing answers.
+    pub fn probe(&self, path: &str) -> Option<u16> {
+        get(self.probes, path).map(|x| x.0)
+    }
+
+    /// GET `/metrics`; panics if nothing answers.
+    pub fn metrics(&self) -> String {
+        let (code, body) = get(self.probes, "/metrics").expect("/metrics answers");
+        assert_eq!(code, 200, "/metrics: {body}");
+        body
+    }
+
+    /// `/state`, typed (None while nothing answers).
+    pub fn state(&self) -> Option<StateDoc> {
+        state_of(self.probes)
+    }
+
+    /// The current phase (`/state.state`).
+    pub fn phase(&self) -> Option<Phase> {
+        self.state().map(|s| s.state)
+    }
+
+    /// Wait until `/state.state == phase`.
+    pub fn wait_phase(&self, phase: Phase, timeout: Duration) -> bool {
+        wait_until(timeout, Duration::from_millis(10), || {
+            self.phase() == Some(phase)
+        })
+    }
+
+    /// Wait until `/state` has `mark`; returns the document then (None on timeout).
+    pub fn wait_mark(&self, mark: MarkKind, timeout: Duration) -> Option<StateDoc> {
+        let mut found = None;
+        wait_until(timeout, Duration::from_millis(10), || {
+            found = self.state().filter(|s| s.mark(mark).is_some());
+            found.is_some()
+        });
+        found
+    }
+
+    /// Pids in the engine's pid file (engine first, then workers).
+    pub fn engine_pids(&self) -> Vec<i32> {
+        read_pid_file(&self.pid_file)
+    }
+
+    /// Wait for the pid file to list `n` pids; panics if it does not within `timeout`.
+    pub fn wait_engine_pids(&self, n: usize, timeout: Duration) -> Vec<i32> {
+        let mut pids = Vec::new();
+        let found = wait_until(timeout, Duration::from_millis(10), || {
+            pids = self.engine_pids();
+            pids.len() >= n
+        });
+        // Fail loudly: callers assert things over this list, which must not be vacuous.
+        assert!(
+            found,
+            "wanted {n} engine pids within {timeout:?}, found {}: {pids:?}",
+            pids.len()
+        );
+        pids
+    }
+
+    /// POST a completion to the engine directly: (status, body JSON; `Null` if not JSON).
+    pub fn completion(&self) -> Option<(u16, serde_json::Value)> {
+        crate::http::post_json(
+            &format!("http://{}/v1/completions", self.engine),
+            r#"{"prompt":"hi","max_tokens":1}"#,
+            HTTP_TIMEOUT,
+        )
+        .map(|r| {
+            (
+                r.status,
+                serde_json::from_str(&r.body).unwrap_or(serde_json::Value::Null),
+            )
+        })
+    }
+
+    /// Supervisor + engine log.
+    pub fn log_text(&self) -> String {
+        self.proc.log_text()
+    }
+}
+
+/// The pids in a fake engine's pid file (one per line; empty if absent).
+pub fn read_pid_file(path: &std::path::Path) -> Vec<i32> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}

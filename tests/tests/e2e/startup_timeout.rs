@@ -1,0 +1,26 @@
+//! An engine that does not come up within `--startup-timeout` is fenced: exit status 11.
+
+use std::time::Duration;
+
+use harness::{Cluster, SupOpts};
+use procfs::alive;
+
+const T: Duration = Duration::from_secs(20);
+
+#[test]
+fn slow_init_past_the_startup_budget_is_fenced() {
+    let _g = harness::serial();
+    let mut c = Cluster::new("2s");
+    let mut s = c.start(
+        &SupOpts::new(1, "shadow")
+            .sup(&["--startup-timeout", "1s", "--stop-grace", "300ms"])
+            .engine(&["--init", "30s"]),
+    );
+    let pids = s.wait_engine_pids(1, T);
+    assert_eq!(s.probe("/startup"), Some(503));
+    assert_eq!(s.probe("/live"), Some(503));
+    let st = s.proc.wait_exit(T).expect("supervisor did not exit");
+    assert_eq!(st.code(), Some(11), "{st:?}{}", c.dump_logs());
+    assert!(pids.iter().all(|p| !alive(*p)));
+    assert!(s.log_text().contains("did not finish init in time"));
+}
