@@ -15,14 +15,14 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, oneshot};
 
-use super::invariants::{
+use crate::invariants::{
     self, ClaimViolation, FinalActive, GrantObs, LifeTransitions, RoundObs, Transition,
 };
-use super::observe::{self, LockdStatus, StateDoc};
-use super::procs::{self, now_us, TrackedPid};
-use super::report::{self, CompoundRecord, Report, RoundRecord};
-use super::schedule::{self, EngineConfig, FailureKind, Order};
-use super::{
+use crate::observe::{self, LockdStatus, StateDoc};
+use crate::procs::{self, now_us, TrackedPid};
+use crate::report::{self, CompoundRecord, Report, RoundRecord};
+use crate::schedule::{self, EngineConfig, FailureKind, Order};
+use crate::{
     DrillArgs, EXIT_DRILL_ERROR, EXIT_OK, EXIT_VIOLATION, PLANTED_BUG_ENV, PLANTED_NO_ANCHOR_ENV,
 };
 
@@ -63,7 +63,7 @@ pub(super) async fn run(args: DrillArgs) -> i32 {
 /// The three binaries a drill runs.
 #[derive(Debug, Clone)]
 struct Bins {
-    /// `supervisor` (normally this executable).
+    /// `supervisor` (normally next to this executable).
     supervisor: PathBuf,
     /// `lockd`.
     lockd: PathBuf,
@@ -397,10 +397,7 @@ impl Drill {
             .seed
             .unwrap_or_else(|| now_us() ^ (u64::from(std::process::id()) << 32));
         let sched = schedule::schedule(&kinds, args.order, args.iterations as usize, seed);
-        let supervisor = match &args.supervisor_bin {
-            Some(p) => find_bin(Some(p), "supervisor")?,
-            None => std::env::current_exe().context("locating this executable")?,
-        };
+        let supervisor = find_bin(args.supervisor_bin.as_ref(), "supervisor")?;
         let bins = Bins {
             supervisor,
             lockd: find_bin(args.lockd_bin.as_ref(), "lockd")?,

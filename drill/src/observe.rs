@@ -8,7 +8,7 @@ use serde::Deserialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::invariants::Transition;
+use crate::invariants::Transition;
 
 /// Errors of the probe client.
 #[derive(Debug, thiserror::Error)]
@@ -261,7 +261,7 @@ impl LockdStatus {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::*;
 
     #[test]
     fn parses_plain_and_chunked_responses() {

@@ -6,8 +6,8 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use super::invariants::{Phases, Violation};
-use super::schedule::{FailureKind, Order};
+use crate::invariants::{Phases, Violation};
+use crate::schedule::{FailureKind, Order};
 
 /// What one round did and measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -354,7 +354,7 @@ pub struct Report {
 
 #[cfg(test)]
 pub(crate) mod tests {
-    use super::*;
+    use crate::*;
 
     pub(crate) fn rec(
         round: u32,

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::schedule::FailureKind;
+use crate::schedule::FailureKind;
 
 /// One entry of a supervisor's `/state` `transitions` list.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -521,7 +521,7 @@ pub fn waking_before(ts: &[Transition], active_at: u64) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::*;
 
     fn t(to: &str, at: u64) -> Transition {
         Transition {
