@@ -1,17 +1,28 @@
 //! The invariants a round must keep, checked over what the drill recorded during the round.
 //! Pure functions over plain data: the runner observes, this module judges.
 
+use probes::Phase;
 use serde::{Deserialize, Serialize};
 
 use crate::schedule::FailureKind;
 
-/// One entry of a supervisor's `/state` `transitions` list.
+/// One entry of a supervisor's `/state` `transitions` list, on the drill's unsigned clock.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Transition {
-    /// The state entered (`init`, `standby`, `waking`, `active`, `dead`).
-    pub to: String,
+    /// The phase entered.
+    pub to: Phase,
     /// When it was entered, wall clock in microseconds (comparable across processes).
     pub at_unix_us: u64,
+}
+
+impl From<&probes::Transition> for Transition {
+    /// A time before the Unix epoch (a broken clock) reads as 0.
+    fn from(t: &probes::Transition) -> Transition {
+        Transition {
+            to: t.to,
+            at_unix_us: u64::try_from(t.at_unix_us).unwrap_or(0),
+        }
+    }
 }
 
 /// A lock grant the drill saw (from `lockd watch`), with what was alive at that moment.
@@ -428,7 +439,7 @@ pub fn active_intervals(lives: &[LifeTransitions<'_>], since_us: u64) -> Vec<Act
     let mut out = Vec::new();
     for l in lives {
         let ts = l.transitions;
-        for (idx, t) in ts.iter().enumerate().filter(|(_, t)| t.to == "active") {
+        for (idx, t) in ts.iter().enumerate().filter(|(_, t)| t.to == Phase::Active) {
             let to_us = ts.get(idx + 1).map(|n| n.at_unix_us).or(l.exited_us);
             if to_us.is_none_or(|e| e >= since_us) {
                 out.push(ActiveInterval {
@@ -504,28 +515,28 @@ pub fn phases(
     }
 }
 
-/// The instant a side entered `state` at or after `after_us` (first such transition).
-pub fn first_after<'a>(ts: &'a [Transition], state: &str, after_us: u64) -> Option<&'a Transition> {
+/// The instant a side entered `phase` at or after `after_us` (first such transition).
+pub fn first_after(ts: &[Transition], phase: Phase, after_us: u64) -> Option<&Transition> {
     ts.iter()
-        .find(|t| t.to == state && t.at_unix_us >= after_us)
+        .find(|t| t.to == phase && t.at_unix_us >= after_us)
 }
 
 /// The Waking transition that led to the Active transition at `active_at` (the last Waking
 /// before it).
 pub fn waking_before(ts: &[Transition], active_at: u64) -> Option<u64> {
     ts.iter()
-        .filter(|t| t.to == "waking" && t.at_unix_us <= active_at)
+        .filter(|t| t.to == Phase::Waking && t.at_unix_us <= active_at)
         .map(|t| t.at_unix_us)
         .max()
 }
 
 #[cfg(test)]
 mod tests {
-    use crate::*;
+    use super::*;
 
     fn t(to: &str, at: u64) -> Transition {
         Transition {
-            to: to.into(),
+            to: serde_json::from_value(serde_json::Value::String(to.into())).expect("a phase"),
             at_unix_us: at,
         }
     }
@@ -763,8 +774,8 @@ mod tests {
             t("waking", 20),
             t("active", 30),
         ];
-        assert_eq!(first_after(&ts, "waking", 11).unwrap().at_unix_us, 20);
-        assert!(first_after(&ts, "active", 31).is_none());
+        assert_eq!(first_after(&ts, Phase::Waking, 11).unwrap().at_unix_us, 20);
+        assert!(first_after(&ts, Phase::Active, 31).is_none());
         assert_eq!(waking_before(&ts, 30), Some(20));
         assert_eq!(waking_before(&ts, 9), None);
     }

@@ -1,175 +1,69 @@
-//! What the drill reads from the processes it drills: supervisors' probe endpoints (a tiny
-//! HTTP/1.1 client over loopback), `lockd watch` JSON lines and `lockd status` output.
+//! What the drill reads from the processes it drills: supervisors' probe endpoints (through
+//! the workspace's one HTTP client, `harness::http`, on tokio's blocking pool), `lockd watch`
+//! JSON lines and `lockd status` output (`lockd::proto::StatusReport`). `/state` is read as
+//! the supervisor writes it: `probes::StateDoc`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use serde::Deserialize;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
-
-use crate::invariants::Transition;
+use harness::http::Response;
+use lockd::proto::{ResourceReport, StatusReport};
+use probes::StateDoc;
 
 /// Errors of the probe client.
 #[derive(Debug, thiserror::Error)]
 pub enum ObserveError {
-    /// Connecting, writing or reading failed.
-    #[error("http {0}: {1}")]
-    Io(String, std::io::Error),
-    /// No full answer in time.
-    #[error("http {0}: timed out")]
-    Timeout(String),
-    /// The answer was not HTTP or not the expected JSON.
+    /// No answer in time (refused, reset, timed out).
+    #[error("http {0}: no response")]
+    NoResponse(String),
+    /// The answer was not the expected JSON (or not a 200).
     #[error("http {0}: bad response: {1}")]
     Bad(String, String),
 }
 
-/// `GET path` on a loopback address; returns the status code and the body.
+/// `GET path` on a loopback address (`harness::http::get`, run on the blocking pool).
 pub async fn http_get(
     addr: SocketAddr,
     path: &str,
     timeout: Duration,
-) -> Result<(u16, Vec<u8>), ObserveError> {
-    http_request(addr, "GET", path, None, timeout).await
+) -> Result<Response, ObserveError> {
+    let url = format!("http://{addr}{path}");
+    let what = format!("GET {addr}{path}");
+    tokio::task::spawn_blocking(move || harness::http::get(&url, timeout))
+        .await
+        .ok()
+        .flatten()
+        .ok_or(ObserveError::NoResponse(what))
 }
 
-/// One HTTP/1.1 request (`Connection: close`); a body is sent as JSON.
-pub async fn http_request(
+/// `POST path` with a JSON body on a loopback address (`harness::http::post_json`, run on the
+/// blocking pool).
+pub async fn http_post_json(
     addr: SocketAddr,
-    method: &str,
     path: &str,
-    body: Option<&str>,
+    body: &str,
     timeout: Duration,
-) -> Result<(u16, Vec<u8>), ObserveError> {
-    let what = format!("{method} {addr}{path}");
-    let fut = async {
-        let mut s = TcpStream::connect(addr)
-            .await
-            .map_err(|e| ObserveError::Io(what.clone(), e))?;
-        let mut req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nAccept: */*\r\n"
-        );
-        if let Some(b) = body {
-            req.push_str(&format!(
-                "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
-                b.len()
-            ));
-        } else {
-            req.push_str("\r\n");
-        }
-        s.write_all(req.as_bytes())
-            .await
-            .map_err(|e| ObserveError::Io(what.clone(), e))?;
-        let mut buf = Vec::with_capacity(4096);
-        s.read_to_end(&mut buf)
-            .await
-            .map_err(|e| ObserveError::Io(what.clone(), e))?;
-        parse_response(&buf).map_err(|m| ObserveError::Bad(what.clone(), m))
-    };
-    match tokio::time::timeout(timeout, fut).await {
-        Ok(r) => r,
-        Err(_) => Err(ObserveError::Timeout(what)),
-    }
-}
-
-/// Parses a whole HTTP/1.x response (content-length, chunked or read-to-close bodies).
-pub fn parse_response(buf: &[u8]) -> Result<(u16, Vec<u8>), String> {
-    let end = find(buf, b"\r\n\r\n").ok_or("no end of headers")?;
-    let head = std::str::from_utf8(&buf[..end]).map_err(|_| "headers not utf-8")?;
-    let mut lines = head.split("\r\n");
-    let status_line = lines.next().unwrap_or_default();
-    let mut parts = status_line.split_whitespace();
-    if !parts.next().unwrap_or_default().starts_with("HTTP/1.") {
-        return Err(format!("not an HTTP status line: {status_line:?}"));
-    }
-    let code: u16 = parts
-        .next()
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| format!("bad status line {status_line:?}"))?;
-    let mut chunked = false;
-    let mut len: Option<usize> = None;
-    for l in lines {
-        let Some((k, v)) = l.split_once(':') else {
-            continue;
-        };
-        let (k, v) = (k.trim().to_ascii_lowercase(), v.trim());
-        if k == "transfer-encoding" && v.to_ascii_lowercase().contains("chunked") {
-            chunked = true;
-        } else if k == "content-length" {
-            len = v.parse().ok();
-        }
-    }
-    let body = &buf[end + 4..];
-    if chunked {
-        return dechunk(body).map(|b| (code, b));
-    }
-    Ok((
-        code,
-        match len {
-            Some(n) if n <= body.len() => body[..n].to_vec(),
-            Some(_) => return Err("body shorter than content-length".into()),
-            None => body.to_vec(),
-        },
-    ))
-}
-
-fn find(h: &[u8], n: &[u8]) -> Option<usize> {
-    h.windows(n.len()).position(|w| w == n)
-}
-
-fn dechunk(mut b: &[u8]) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    loop {
-        let eol = find(b, b"\r\n").ok_or("truncated chunk size")?;
-        let size_text = std::str::from_utf8(&b[..eol]).map_err(|_| "bad chunk size")?;
-        let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
-            .map_err(|_| format!("bad chunk size {size_text:?}"))?;
-        b = &b[eol + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        if b.len() < size + 2 {
-            return Err("truncated chunk".into());
-        }
-        out.extend_from_slice(&b[..size]);
-        b = &b[size + 2..];
-    }
-}
-
-/// A supervisor's `GET /state` document (docs/INTERFACES.md).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct StateDoc {
-    /// init | standby | waking | active | dead.
-    pub state: String,
-    /// The engine id it supervises.
-    #[serde(default)]
-    pub engine_id: Option<u64>,
-    /// Its lease epoch while it holds one.
-    #[serde(default)]
-    pub epoch: Option<u64>,
-    /// The engine's main pid, while it runs.
-    #[serde(default)]
-    pub engine_pid: Option<u32>,
-    /// Every state entered, with wall-clock microseconds.
-    #[serde(default)]
-    pub transitions: Vec<Transition>,
-    /// Named points in time on the failover path (`engine_exit_detected`, `fenced`,
-    /// `lock_closed`, `lock_granted`, `lock_reclaimed`, ...), wall-clock microseconds; an
-    /// extension of this supervisor's `/state`, absent elsewhere.
-    #[serde(default)]
-    pub marks: std::collections::BTreeMap<String, i64>,
+) -> Result<Response, ObserveError> {
+    let url = format!("http://{addr}{path}");
+    let what = format!("POST {addr}{path}");
+    let body = body.to_string();
+    tokio::task::spawn_blocking(move || harness::http::post_json(&url, &body, timeout))
+        .await
+        .ok()
+        .flatten()
+        .ok_or(ObserveError::NoResponse(what))
 }
 
 /// Fetches and parses `/state`.
 pub async fn get_state(addr: SocketAddr, timeout: Duration) -> Result<StateDoc, ObserveError> {
-    let (code, body) = http_get(addr, "/state", timeout).await?;
-    if code != 200 {
+    let r = http_get(addr, "/state", timeout).await?;
+    if r.status != 200 {
         return Err(ObserveError::Bad(
             format!("GET {addr}/state"),
-            format!("status {code}"),
+            format!("status {}", r.status),
         ));
     }
-    serde_json::from_slice(&body)
+    StateDoc::parse(&r.body)
         .map_err(|e| ObserveError::Bad(format!("GET {addr}/state"), e.to_string()))
 }
 
@@ -228,78 +122,15 @@ pub fn parse_watch_line(line: &str) -> Option<WatchEvent> {
     })
 }
 
-/// One resource of `lockd status`.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct ResourceStatus {
-    /// Resource name.
-    pub name: String,
-    /// Current holder.
-    #[serde(default)]
-    pub holder: Option<String>,
-    /// Current epoch.
-    #[serde(default)]
-    pub epoch: Option<u64>,
-    /// free | held | reclaiming.
-    #[serde(default)]
-    pub state: Option<String>,
-}
-
-/// `lockd status` output.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct LockdStatus {
-    /// Every resource lockd knows.
-    #[serde(default)]
-    pub resources: Vec<ResourceStatus>,
-}
-
-impl LockdStatus {
-    /// The entry of one resource.
-    pub fn resource(&self, name: &str) -> Option<&ResourceStatus> {
-        self.resources.iter().find(|r| r.name == name)
-    }
+/// The entry of one resource in a `lockd status` report.
+pub fn resource<'a>(status: &'a StatusReport, name: &str) -> Option<&'a ResourceReport> {
+    status.resources.iter().find(|r| r.name == name)
 }
 
 #[cfg(test)]
 mod tests {
-    use crate::*;
-
-    #[test]
-    fn parses_plain_and_chunked_responses() {
-        let r = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello";
-        assert_eq!(parse_response(r).unwrap(), (200, b"hello".to_vec()));
-        let r = b"HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;x=y\r\nde\r\n0\r\n\r\n";
-        assert_eq!(parse_response(r).unwrap(), (503, b"abcde".to_vec()));
-        let r = b"HTTP/1.0 200 OK\r\n\r\nall of it";
-        assert_eq!(parse_response(r).unwrap(), (200, b"all of it".to_vec()));
-        assert!(parse_response(b"garbage").is_err());
-        assert!(parse_response(b"SSH-2.0\r\n\r\n").is_err());
-        assert!(parse_response(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nshort").is_err());
-        assert!(
-            parse_response(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n").is_err()
-        );
-    }
-
-    #[test]
-    fn parses_state_documents() {
-        let d: StateDoc = serde_json::from_str(
-            r#"{"state":"active","engine_id":1,"role":"shadow","epoch":7,"since_ms":3,"engine_pid":42,
-                "transitions":[{"to":"init","at_unix_us":1},{"to":"active","at_unix_us":9}]}"#,
-        )
-        .unwrap();
-        assert_eq!(d.state, "active");
-        assert_eq!(d.epoch, Some(7));
-        assert_eq!(d.engine_pid, Some(42));
-        assert_eq!(d.transitions[1].at_unix_us, 9);
-        assert!(d.marks.is_empty());
-        let d: StateDoc =
-            serde_json::from_str(r#"{"state":"dead","marks":{"fenced":5,"lock_closed":7}}"#)
-                .unwrap();
-        assert_eq!(d.marks.get("lock_closed"), Some(&7));
-        let d: StateDoc =
-            serde_json::from_str(r#"{"state":"init","epoch":null,"engine_pid":null}"#).unwrap();
-        assert_eq!(d.epoch, None);
-        assert!(d.transitions.is_empty());
-    }
+    use super::*;
+    use std::io::{Read, Write};
 
     #[test]
     fn parses_watch_lines_of_several_shapes() {
@@ -330,41 +161,43 @@ mod tests {
     }
 
     #[test]
-    fn parses_lockd_status() {
-        let s: LockdStatus = serde_json::from_str(
+    fn reads_lockd_status_as_lockd_writes_it() {
+        let s: StatusReport = serde_json::from_str(
             r#"{"resources":[{"name":"engine","holder":"engine-0","epoch":3,"state":"held","waiters":["engine-1"]}],
                 "counters":{"grants":3,"releases":2,"expirations":0,"revocations":0}}"#,
         )
         .unwrap();
-        let r = s.resource("engine").unwrap();
+        let r = resource(&s, "engine").unwrap();
         assert_eq!(
-            (r.holder.as_deref(), r.epoch, r.state.as_deref()),
-            (Some("engine-0"), Some(3), Some("held"))
+            (r.holder.as_deref(), r.epoch, r.state.as_str()),
+            (Some("engine-0"), 3, "held")
         );
-        assert!(s.resource("other").is_none());
+        assert!(resource(&s, "other").is_none());
     }
 
     #[tokio::test]
-    async fn http_get_against_a_real_socket() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    async fn get_state_against_a_real_socket() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
-        let server = tokio::spawn(async move {
-            let (mut s, _) = l.accept().await.unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
             let mut buf = [0u8; 1024];
-            let n = s.read(&mut buf).await.unwrap();
+            let n = s.read(&mut buf).unwrap();
             assert!(std::str::from_utf8(&buf[..n])
                 .unwrap()
                 .starts_with("GET /state HTTP/1.1\r\n"));
-            let body = r#"{"state":"standby","transitions":[]}"#;
+            let body = r#"{"state":"standby","engine_id":1,"role":"shadow","transitions":[{"to":"init","at_unix_us":1},{"to":"standby","at_unix_us":9}],"marks":{"lock_connected":5}}"#;
             let resp = format!(
                 "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
                 body.len()
             );
-            s.write_all(resp.as_bytes()).await.unwrap();
+            s.write_all(resp.as_bytes()).unwrap();
         });
         let d = get_state(addr, Duration::from_secs(5)).await.unwrap();
-        assert_eq!(d.state, "standby");
-        server.await.unwrap();
+        assert_eq!(d.state, probes::Phase::Standby);
+        assert_eq!(d.entered(probes::Phase::Standby), Some(9));
+        assert_eq!(d.mark(probes::MarkKind::LockConnected), Some(5));
+        server.join().unwrap();
         // Nobody listening: an error, not a hang.
         let dead = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()

@@ -18,8 +18,10 @@ use tokio::sync::{mpsc, oneshot};
 use crate::invariants::{
     self, ClaimViolation, FinalActive, GrantObs, LifeTransitions, RoundObs, Transition,
 };
-use crate::observe::{self, LockdStatus, StateDoc};
-use crate::procs::{self, now_us, TrackedPid};
+use crate::observe;
+use crate::procs::{self, now_us, Pinned};
+use lockd::proto::StatusReport;
+use probes::{MarkKind, Phase as SupPhase, StateDoc};
 use crate::report::{self, CompoundRecord, Report, RoundRecord};
 use crate::schedule::{self, EngineConfig, FailureKind, Order};
 use crate::{
@@ -188,13 +190,15 @@ struct Inc {
     /// Its processes were killed after it exited (container teardown).
     torn_down: bool,
     /// Engine processes (main + workers), pinned by start time.
-    engine_pids: Vec<TrackedPid>,
-    /// The state the pid list was last refreshed in (refreshing scans /proc: not every tick).
-    pids_refreshed_in: String,
+    engine_pids: Vec<Pinned>,
+    /// The phase the pid list was last refreshed in (refreshing scans /proc: not every tick).
+    pids_refreshed_in: Option<SupPhase>,
     /// First time the drill saw every engine process dead.
     engine_gone_us: Option<u64>,
     /// Last `/state` answer.
     state: Option<StateDoc>,
+    /// Its transitions on the drill's clock (kept with `state`, see [`Inc::set_state`]).
+    transitions: Vec<Transition>,
     /// Consecutive liveness failures (kubelet emulation).
     live_failures: u32,
     /// Next liveness probe.
@@ -214,17 +218,43 @@ impl Inc {
         (self.engine_id, self.n)
     }
 
-    fn state_name(&self) -> &str {
+    /// Its phase as last read, while its supervisor runs (`None`: exited, or no `/state` yet).
+    fn phase(&self) -> Option<SupPhase> {
+        if self.exited.is_some() {
+            return None;
+        }
+        self.state.as_ref().map(|s| s.state)
+    }
+
+    /// In `phase` now (see [`Inc::phase`]).
+    fn is(&self, phase: SupPhase) -> bool {
+        self.phase() == Some(phase)
+    }
+
+    /// Its state for notes: `exited`, `starting` or the phase.
+    fn state_label(&self) -> &'static str {
         if self.exited.is_some() {
             return "exited";
         }
         self.state.as_ref().map_or("starting", |s| s.state.as_str())
     }
 
-    fn transitions(&self) -> &[Transition] {
+    /// A new `/state` answer.
+    fn set_state(&mut self, doc: StateDoc) {
+        self.transitions = doc.transitions.iter().map(Transition::from).collect();
+        self.state = Some(doc);
+    }
+
+    /// When `mark` last happened, on the drill's clock.
+    fn mark(&self, mark: MarkKind) -> Option<u64> {
         self.state
-            .as_ref()
-            .map_or(&[], |s| s.transitions.as_slice())
+            .as_ref()?
+            .mark(mark)
+            .and_then(|m| u64::try_from(m).ok())
+    }
+
+    fn transitions(&self) -> &[Transition] {
+        &self.transitions
     }
 
     fn finished(&self) -> bool {
@@ -238,10 +268,10 @@ impl Inc {
             pids.extend(procs::descendants(p));
         }
         for p in pids {
-            if self.engine_pids.iter().any(|t| t.pid == p) {
+            if self.engine_pids.iter().any(|t| t.pid == p as i32) {
                 continue;
             }
-            if let Some(t) = TrackedPid::pin(p) {
+            if let Some(t) = Pinned::pin(p as i32) {
                 self.engine_pids.push(t);
             }
         }
@@ -255,11 +285,10 @@ impl Inc {
         procs::signal_pid(self.sup_pid, Signal::SIGKILL);
         for p in &self.engine_pids {
             if p.is_alive() {
-                if let Ok(g) = nix::unistd::getpgid(Some(nix::unistd::Pid::from_raw(p.pid as i32)))
-                {
+                if let Ok(g) = nix::unistd::getpgid(Some(nix::unistd::Pid::from_raw(p.pid))) {
                     procs::kill_group(g.as_raw() as u32);
                 }
-                p.kill();
+                procs::kill(p);
             }
         }
         self.torn_down = true;
@@ -280,7 +309,7 @@ struct Fence {
     /// same engine is a different set of processes and must not be mixed in.
     holder: Option<(u64, u32)>,
     /// Its engine processes.
-    pids: Vec<TrackedPid>,
+    pids: Vec<Pinned>,
 }
 
 /// Where the drill is, for the restart policy.
@@ -333,7 +362,7 @@ struct Drill {
     /// Next incarnation number of each engine.
     next_n: [u32; 2],
     /// Every engine process ever tracked, for cleanup.
-    all_pids: Vec<TrackedPid>,
+    all_pids: Vec<Pinned>,
     /// Every process group started (supervisors, lockd, watch), for cleanup.
     sup_pgids: Vec<u32>,
     /// Where the drill is (decides how a restarted side is configured).
@@ -619,7 +648,7 @@ impl Drill {
         Ok((out.status.success(), text))
     }
 
-    async fn lockd_status(&self) -> Result<LockdStatus> {
+    async fn lockd_status(&self) -> Result<StatusReport> {
         let ep = self.endpoint();
         let (ok, text) = self
             .lockd_cmd(&["status", "--connect", &ep], Duration::from_secs(3))
@@ -686,7 +715,7 @@ impl Drill {
                                 f.pids
                                     .iter()
                                     .filter(|p| p.is_alive())
-                                    .map(|p| p.pid)
+                                    .map(|p| p.pid as u32)
                                     .collect(),
                             ),
                             Ok(f) => (f.holder.map(|h| h.0), 0, Vec::new()),
@@ -778,7 +807,7 @@ impl Drill {
             if let Some(doc) = poll_state(addr).await {
                 let ok = pred(&doc);
                 if let Some(i) = self.sides[side].as_mut() {
-                    i.state = Some(doc);
+                    i.set_state(doc);
                 }
                 if ok {
                     return true;
@@ -943,9 +972,10 @@ impl Drill {
             exited: None,
             torn_down: false,
             engine_pids: Vec::new(),
-            pids_refreshed_in: String::new(),
+            pids_refreshed_in: None,
             engine_gone_us: None,
             state: None,
+            transitions: Vec::new(),
             live_failures: 0,
             next_live: Instant::now() + self.args.liveness_period,
             term_sent: None,
@@ -1018,7 +1048,7 @@ impl Drill {
         let (s0, s1) = tokio::join!(poll_state(a0), poll_state(a1));
         for (side, s) in [(0usize, s0), (1usize, s1)] {
             if let (Some(inc), Some(s)) = (self.sides[side].as_mut(), s) {
-                inc.state = Some(s);
+                inc.set_state(s);
             }
         }
         // 3. Exits, engine pids, engine death.
@@ -1033,10 +1063,11 @@ impl Drill {
                     inc.exited = Some(x);
                 }
             }
-            let st = inc.state_name().to_string();
-            if inc.exited.is_none()
-                && matches!(st.as_str(), "standby" | "waking" | "active")
-                && inc.pids_refreshed_in != st
+            let st = inc.phase();
+            if matches!(
+                st,
+                Some(SupPhase::Standby | SupPhase::Waking | SupPhase::Active)
+            ) && inc.pids_refreshed_in != st
             {
                 inc.pids_refreshed_in = st;
                 let before = inc.engine_pids.len();
@@ -1048,7 +1079,7 @@ impl Drill {
                 }
             }
             for p in &inc.engine_pids {
-                p.reap_if_zombie();
+                procs::reap_if_zombie(p);
             }
             if inc.engine_gone_us.is_none()
                 && !inc.engine_pids.is_empty()
@@ -1072,24 +1103,16 @@ impl Drill {
                 let Some(inc) = self.sides[side].as_mut() else {
                     continue;
                 };
-                if inc.served || inc.exited.is_some() || inc.state_name() != "active" {
+                if inc.served || !inc.is(SupPhase::Active) {
                     continue;
                 }
                 inc.served = true;
                 let addr: SocketAddr = ([127, 0, 0, 1], inc.engine_port).into();
                 let body = r#"{"model":"drill","prompt":"drill","max_tokens":1}"#;
                 let (eid, n) = (inc.engine_id, inc.n);
-                match observe::http_request(
-                    addr,
-                    "POST",
-                    "/v1/completions",
-                    Some(body),
-                    HTTP_TIMEOUT,
-                )
-                .await
-                {
-                    Ok((200, b)) => {
-                        let v: serde_json::Value = serde_json::from_slice(&b).unwrap_or_default();
+                match observe::http_post_json(addr, "/v1/completions", body, HTTP_TIMEOUT).await {
+                    Ok(harness::http::Response { status: 200, body }) => {
+                        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
                         if v.get("engine_id")
                             .and_then(|x| x.as_u64())
                             .is_some_and(|x| x != eid)
@@ -1100,10 +1123,9 @@ impl Drill {
                             ));
                         }
                     }
-                    Ok((code, b)) => self.round_notes.push(format!(
-                        "engine {eid}.{n} is Active but its completion failed ({code}): {}",
-                        String::from_utf8_lossy(&b)
-                            .chars()
+                    Ok(harness::http::Response { status, body }) => self.round_notes.push(format!(
+                        "engine {eid}.{n} is Active but its completion failed ({status}): {}",
+                        body.chars()
                             .take(200)
                             .collect::<String>()
                     )),
@@ -1153,8 +1175,7 @@ impl Drill {
                         && by_name.is_none_or(|eid| i.engine_id == eid)
                 }
                 None => {
-                    i.exited.is_none()
-                        && matches!(i.state_name(), "waking" | "active")
+                    matches!(i.phase(), Some(SupPhase::Waking | SupPhase::Active))
                         && by_name.is_none_or(|eid| i.engine_id == eid)
                 }
             });
@@ -1177,15 +1198,14 @@ impl Drill {
                 Some(i) if i.exited.is_none() && i.term_sent.is_none() => (
                     Instant::now() >= i.next_live,
                     i.probes,
-                    !matches!(i.state_name(), "starting" | "init"),
+                    i.phase().is_some_and(|p| p != SupPhase::Init),
                 ),
                 _ => (false, ([127, 0, 0, 1], 0).into(), false),
             };
             if due && started {
-                let ok = matches!(
-                    observe::http_get(addr, "/live", HTTP_TIMEOUT).await,
-                    Ok((200, _))
-                );
+                let ok = observe::http_get(addr, "/live", HTTP_TIMEOUT)
+                    .await
+                    .is_ok_and(|r| r.status == 200);
                 if let Some(i) = self.sides[side].as_mut() {
                     i.next_live = Instant::now() + self.args.liveness_period;
                     i.live_failures = if ok { 0 } else { i.live_failures + 1 };
@@ -1249,18 +1269,17 @@ impl Drill {
         }
     }
 
-    fn side_in(&self, state: &str) -> Option<usize> {
-        (0..2).find(|s| {
-            self.sides[*s]
-                .as_ref()
-                .is_some_and(|i| i.state_name() == state)
-        })
+    fn side_in(&self, phase: SupPhase) -> Option<usize> {
+        (0..2).find(|s| self.sides[*s].as_ref().is_some_and(|i| i.is(phase)))
     }
 
     fn steady(&self) -> Option<(usize, usize)> {
-        let a = self.side_in("active")?;
+        let a = self.side_in(SupPhase::Active)?;
         let b = 1 - a;
-        (self.sides[b].as_ref()?.state_name() == "standby").then_some((a, b))
+        self.sides[b]
+            .as_ref()?
+            .is(SupPhase::Standby)
+            .then_some((a, b))
     }
 
     fn find_inc(&self, key: (u64, u32)) -> Option<&Inc> {
@@ -1314,7 +1333,7 @@ impl Drill {
             .wait_until(t, |d| {
                 d.sides[0]
                     .as_ref()
-                    .is_some_and(|i| i.state_name() == "active")
+                    .is_some_and(|i| i.is(SupPhase::Active))
             })
             .await
         {
@@ -1418,7 +1437,7 @@ impl Drill {
         };
         let t = self.args.startup_timeout;
         self.start_side(0, "primary", schedule::active_config(&self.sched, r))?;
-        if !self.wait_until(t, |d| d.side_in("active").is_some()).await {
+        if !self.wait_until(t, |d| d.side_in(SupPhase::Active).is_some()).await {
             bail!("after a reset no engine became Active within {t:?}");
         }
         let free = (0..2).find(|s| self.sides[*s].is_none());
@@ -1475,7 +1494,7 @@ impl Drill {
             self.lockd_status()
                 .await
                 .ok()
-                .and_then(|s| s.resource(RESOURCE).cloned())
+                .and_then(|s| observe::resource(&s, RESOURCE).cloned())
         } else {
             None
         };
@@ -1527,9 +1546,8 @@ impl Drill {
                     Instant::now() + self.args.reconnect_window + self.args.failover_bound;
                 let reclaimed = self
                     .poll_side_until(a, deadline, |d| {
-                        d.marks
-                            .get("lock_reclaimed")
-                            .is_some_and(|m| u64::try_from(*m).is_ok_and(|m| m >= since))
+                        d.mark(MarkKind::LockReclaimed)
+                            .is_some_and(|m| u64::try_from(m).is_ok_and(|m| m >= since))
                     })
                     .await;
                 compound_reclaimed = Some(reclaimed);
@@ -1580,14 +1598,15 @@ impl Drill {
                 kill_engine(&mut notes)?;
                 let waking = self
                     .poll_side_until(b, kill_at + bound, |d| {
-                        matches!(d.state.as_str(), "waking" | "active" | "dead")
+                        matches!(
+                            d.state,
+                            SupPhase::Waking | SupPhase::Active | SupPhase::Dead
+                        )
                     })
                     .await;
-                let st = self.sides[b]
-                    .as_ref()
-                    .map_or("gone", |i| i.state_name())
-                    .to_string();
-                if !waking || st != "waking" {
+                let is_waking = self.sides[b].as_ref().is_some_and(|i| i.is(SupPhase::Waking));
+                let st = self.sides[b].as_ref().map_or("gone", |i| i.state_label());
+                if !waking || !is_waking {
                     notes.push(format!(
                         "the standby was {st}, not Waking, when lockd was crashed"
                     ));
@@ -1630,8 +1649,8 @@ impl Drill {
                 self.tick().await;
                 if recovery_us.is_none() {
                     if let Ok(s) = self.lockd_status().await {
-                        if let Some(res) = s.resource(RESOURCE) {
-                            if res.state.as_deref() == Some("held")
+                        if let Some(res) = observe::resource(&s, RESOURCE) {
+                            if res.state == "held"
                                 && res.holder == want
                                 && want.is_some()
                             {
@@ -1668,12 +1687,8 @@ impl Drill {
                 let reclaim_done = kind != FailureKind::LockdCrashDuringWake
                     || self.grants.iter().any(|g| g.reclaimed)
                     || taker_key.and_then(|k| self.find_inc(k)).is_some_and(|i| {
-                        i.state.as_ref().is_some_and(|s| {
-                            s.marks.get("lock_reclaimed").is_some_and(|m| {
-                                u64::try_from(*m)
-                                    .is_ok_and(|m| m >= lockd_killed_us.unwrap_or(u64::MAX))
-                            })
-                        })
+                        i.mark(MarkKind::LockReclaimed)
+                            .is_some_and(|m| m >= lockd_killed_us.unwrap_or(u64::MAX))
                     });
                 if done_active && victim_done && hung_done && reclaim_done {
                     break;
@@ -1723,7 +1738,7 @@ impl Drill {
             .collect();
         let final_inc = if kind == FailureKind::LockdCrash {
             self.find_inc(victim_key)
-                .filter(|i| i.state_name() == "active")
+                .filter(|i| i.is(SupPhase::Active))
                 .map(Inc::key)
         } else {
             self.final_active(victim_key, t_kill)
@@ -1731,7 +1746,7 @@ impl Drill {
         let final_active = final_inc.and_then(|k| self.find_inc(k)).and_then(|i| {
             let at = invariants::first_after(
                 i.transitions(),
-                "active",
+                SupPhase::Active,
                 if i.key() == victim_key { 0 } else { t_kill },
             )?
             .at_unix_us;
@@ -1752,7 +1767,7 @@ impl Drill {
                     i.engine_pids
                         .iter()
                         .filter(|p| p.is_alive())
-                        .map(|p| p.pid)
+                        .map(|p| p.pid as u32)
                         .collect()
                 });
                 // Placed at the grant's time (the new life's Waking, or its Active), so that a
@@ -1760,7 +1775,7 @@ impl Drill {
                 // it in the epoch check.
                 let granted_at = final_inc
                     .and_then(|k| self.find_inc(k))
-                    .and_then(|i| invariants::first_after(i.transitions(), "waking", t_kill))
+                    .and_then(|i| invariants::first_after(i.transitions(), SupPhase::Waking, t_kill))
                     .map_or(fa.active_at_us, |t| t.at_unix_us);
                 grants.push(GrantObs {
                     seen_at_unix_us: granted_at,
@@ -1791,7 +1806,7 @@ impl Drill {
                 .iter()
                 .filter(|o| o.key() != me)
                 .flat_map(|o| o.transitions().iter())
-                .filter(|t| t.at_unix_us >= t_kill && (t.to == "waking" || t.to == "active"))
+                .filter(|t| t.at_unix_us >= t_kill && matches!(t.to, SupPhase::Waking | SupPhase::Active))
                 .map(|t| t.at_unix_us)
                 .min()
         };
@@ -1818,12 +1833,7 @@ impl Drill {
         let victim = self.find_inc(victim_key);
         let reclaim_mark = |inc: Option<&Inc>| -> Option<u64> {
             let since = lockd_killed_us?;
-            inc?.state
-                .as_ref()?
-                .marks
-                .get("lock_reclaimed")
-                .and_then(|m| u64::try_from(*m).ok())
-                .filter(|m| *m >= since)
+            inc?.mark(MarkKind::LockReclaimed).filter(|m| *m >= since)
         };
         if kind == FailureKind::LockdCrashDuringWake {
             let waker = taker_key.and_then(|k| self.find_inc(k));
@@ -1837,7 +1847,7 @@ impl Drill {
         let mut victim_fenced = None;
         if kind == FailureKind::RevokeDuringReconnect {
             let dead = victim.is_some_and(|v| {
-                invariants::first_after(v.transitions(), "dead", t_kill).is_some()
+                invariants::first_after(v.transitions(), SupPhase::Dead, t_kill).is_some()
             });
             victim_fenced =
                 Some(dead || victim_self_exit && victim.is_some_and(|v| v.exited.is_some()));
@@ -1871,7 +1881,7 @@ impl Drill {
             // Its Dead transition; a SIGKILLed supervisor has none: then the moment its exit
             // was seen (the container is gone: the runtime kills the rest), which the drill
             // sees at once, unlike the engine's death, which it polls.
-            invariants::first_after(v.transitions(), "dead", t_kill)
+            invariants::first_after(v.transitions(), SupPhase::Dead, t_kill)
                 .map(|t| t.at_unix_us)
                 .or(v.exited.as_ref().map(|x| x.0))
                 .or(v.engine_gone_us)
@@ -1910,7 +1920,7 @@ impl Drill {
             {
                 if let Ok(v) = u64::try_from(*v) {
                     if v >= t_kill {
-                        marks_after_kill_us.insert(format!("{prefix}.{k}"), v - t_kill);
+                        marks_after_kill_us.insert(format!("{prefix}.{}", k.as_str()), v - t_kill);
                     }
                 }
             }
@@ -2025,9 +2035,9 @@ impl Drill {
         self.sides
             .iter()
             .flatten()
-            .filter(|i| i.key() != victim && i.state_name() == "active")
+            .filter(|i| i.key() != victim && i.is(SupPhase::Active))
             .filter_map(|i| {
-                invariants::first_after(i.transitions(), "active", t_kill)
+                invariants::first_after(i.transitions(), SupPhase::Active, t_kill)
                     .map(|t| (t.at_unix_us, i.key()))
             })
             .min()
@@ -2054,7 +2064,7 @@ impl Drill {
             procs::kill_group(*g);
         }
         for p in &self.all_pids {
-            p.kill();
+            procs::kill(p);
         }
         for mut w in self
             .watch
@@ -2077,7 +2087,7 @@ impl Drill {
         for _ in 0..50 {
             let left: Vec<u32> = procs::descendants(std::process::id())
                 .into_iter()
-                .filter(|p| TrackedPid::pin(*p).is_some_and(|t| t.is_alive()))
+                .filter(|p| Pinned::pin(*p as i32).is_some_and(|t| t.is_alive()))
                 .collect();
             if left.is_empty() {
                 break;
@@ -2088,7 +2098,7 @@ impl Drill {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         for p in &self.all_pids {
-            p.reap_if_zombie();
+            procs::reap_if_zombie(p);
         }
         // Nothing left to kill: Drop must not signal recycled pids or groups.
         self.sup_pgids.clear();
@@ -2223,7 +2233,7 @@ impl Drop for Drill {
             procs::kill_group(*g);
         }
         for p in &self.all_pids {
-            p.kill();
+            procs::kill(p);
         }
     }
 }
