@@ -12,8 +12,7 @@ pub use procfs::Pinned;
 /// Reaps `p` if it is a zombie child of ours (orphans re-parent to the drill, which is a
 /// child subreaper). Never called on pids tokio manages.
 pub fn reap_if_zombie(p: &Pinned) {
-    if p
-        .stat()
+    if p.stat()
         .is_some_and(|s| s.is_zombie() && s.ppid == std::process::id() as i32)
     {
         let _ = waitpid(Pid::from_raw(p.pid), Some(WaitPidFlag::WNOHANG));

@@ -291,9 +291,9 @@ fn draw(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     use crate::report::summarize;
     use crate::report::tests::rec;
-    use super::*;
 
     #[test]
     fn log_bins_cover_decades() {

@@ -6,27 +6,28 @@ use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use nix::sys::signal::Signal;
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
-use tokio::sync::{mpsc, oneshot};
 
-use crate::invariants::{
-    self, ClaimViolation, FinalActive, GrantObs, LifeTransitions, RoundObs, Transition,
-};
+mod kubelet;
+mod lock_daemon;
+mod side;
+
+use lock_daemon::LockdProc;
+use side::{Inc, Launch};
+
+use crate::invariants::{self, ClaimViolation, FinalActive, GrantObs, LifeTransitions, RoundObs};
 use crate::observe;
 use crate::procs::{self, now_us, Pinned};
-use lockd::proto::StatusReport;
-use probes::{MarkKind, Phase as SupPhase, StateDoc};
 use crate::report::{self, CompoundRecord, Report, RoundRecord};
 use crate::schedule::{self, EngineConfig, FailureKind, Order};
 use crate::{
     DrillArgs, EXIT_DRILL_ERROR, EXIT_OK, EXIT_VIOLATION, PLANTED_BUG_ENV, PLANTED_NO_ANCHOR_ENV,
 };
+use probes::{MarkKind, Phase, StateDoc};
 
 /// The lock resource the drilled supervisors share.
 const RESOURCE: &str = "engine";
@@ -36,6 +37,28 @@ const FAST_POLL: Duration = Duration::from_millis(1);
 const HTTP_TIMEOUT: Duration = Duration::from_millis(500);
 /// Total memory of the simulated device of `--gpu-sim`: 80 GiB.
 const GPU_SIM_TOTAL: u64 = 80 << 30;
+
+/// The append-mode log file `logs/name`, as stdout and stderr of a child.
+fn log_file(logs: &Path, name: &str) -> Result<(Stdio, Stdio)> {
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(logs.join(name))?;
+    let g = f.try_clone()?;
+    Ok((Stdio::from(f), Stdio::from(g)))
+}
+
+/// A command in its own process group, logging to `logs/log`, killed when dropped.
+fn log_command(program: &Path, logs: &Path, log: &str) -> Result<Command> {
+    let mut c = Command::new(program);
+    let (out, err) = log_file(logs, log)?;
+    c.stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(0)
+        .kill_on_drop(true);
+    Ok(c)
+}
 
 /// Entry point used by [`super::run`]: never panics on outside input; returns the exit code.
 pub(super) async fn run(args: DrillArgs) -> i32 {
@@ -165,156 +188,9 @@ pub(super) fn split_command(s: &str) -> Result<Vec<String>> {
     Ok(out)
 }
 
-/// One run of one side's supervisor (+ engine): a "container" life.
-struct Inc {
-    /// Engine id (0 or 1), fixed per side.
-    engine_id: u64,
-    /// Incarnation number of this side (restarts count up), to tell lives apart.
-    n: u32,
-    /// The fake-engine flags it was started with.
-    config: EngineConfig,
-    /// The supervisor's pid (also its process group).
-    sup_pid: u32,
-    /// Its probe server.
-    probes: SocketAddr,
-    /// The engine's HTTP port (the drill sends one completion to each new Active).
-    engine_port: u16,
-    /// Whether that completion was sent (once per incarnation).
-    served: bool,
-    /// The engine's pid file.
-    pid_file: PathBuf,
-    /// When the supervisor exited, as the drill saw it.
-    exit_rx: oneshot::Receiver<(u64, String)>,
-    /// Exit time (microseconds) and status, once exited.
-    exited: Option<(u64, String)>,
-    /// Its processes were killed after it exited (container teardown).
-    torn_down: bool,
-    /// Engine processes (main + workers), pinned by start time.
-    engine_pids: Vec<Pinned>,
-    /// The phase the pid list was last refreshed in (refreshing scans /proc: not every tick).
-    pids_refreshed_in: Option<SupPhase>,
-    /// First time the drill saw every engine process dead.
-    engine_gone_us: Option<u64>,
-    /// Last `/state` answer.
-    state: Option<StateDoc>,
-    /// Its transitions on the drill's clock (kept with `state`, see [`Inc::set_state`]).
-    transitions: Vec<Transition>,
-    /// Consecutive liveness failures (kubelet emulation).
-    live_failures: u32,
-    /// Next liveness probe.
-    next_live: Instant,
-    /// When the kubelet emulation sent SIGTERM.
-    term_sent: Option<Instant>,
-    /// The drill SIGKILLed the supervisor: once it has exited, the container is torn down
-    /// `--teardown-delay` later, not at once.
-    sigkilled_at: Option<Instant>,
-    /// The same moment, wall clock (a SIGKILLed supervisor's Active state ends there, even if
-    /// the drill sees its exit a few ms later).
-    sigkilled_us: Option<u64>,
-}
-
-impl Inc {
-    fn key(&self) -> (u64, u32) {
-        (self.engine_id, self.n)
-    }
-
-    /// Its phase as last read, while its supervisor runs (`None`: exited, or no `/state` yet).
-    fn phase(&self) -> Option<SupPhase> {
-        if self.exited.is_some() {
-            return None;
-        }
-        self.state.as_ref().map(|s| s.state)
-    }
-
-    /// In `phase` now (see [`Inc::phase`]).
-    fn is(&self, phase: SupPhase) -> bool {
-        self.phase() == Some(phase)
-    }
-
-    /// Its state for notes: `exited`, `starting` or the phase.
-    fn state_label(&self) -> &'static str {
-        if self.exited.is_some() {
-            return "exited";
-        }
-        self.state.as_ref().map_or("starting", |s| s.state.as_str())
-    }
-
-    /// A new `/state` answer.
-    fn set_state(&mut self, doc: StateDoc) {
-        self.transitions = doc.transitions.iter().map(Transition::from).collect();
-        self.state = Some(doc);
-    }
-
-    /// When `mark` last happened, on the drill's clock.
-    fn mark(&self, mark: MarkKind) -> Option<u64> {
-        self.state
-            .as_ref()?
-            .mark(mark)
-            .and_then(|m| u64::try_from(m).ok())
-    }
-
-    fn transitions(&self) -> &[Transition] {
-        &self.transitions
-    }
-
-    fn finished(&self) -> bool {
-        self.exited.is_some() && self.torn_down
-    }
-
-    fn refresh_pids(&mut self) {
-        let mut pids = procs::read_pid_file(&self.pid_file);
-        if let Some(p) = self.state.as_ref().and_then(|s| s.engine_pid) {
-            pids.push(p);
-            pids.extend(procs::descendants(p));
-        }
-        for p in pids {
-            if self.engine_pids.iter().any(|t| t.pid == p as i32) {
-                continue;
-            }
-            if let Some(t) = Pinned::pin(p as i32) {
-                self.engine_pids.push(t);
-            }
-        }
-    }
-
-    /// Kills everything of this container: the supervisor's group, the engine's processes
-    /// and their groups (detached workers included).
-    fn teardown(&mut self) -> usize {
-        let alive = self.engine_pids.iter().filter(|p| p.is_alive()).count();
-        procs::kill_group(self.sup_pid);
-        procs::signal_pid(self.sup_pid, Signal::SIGKILL);
-        for p in &self.engine_pids {
-            if p.is_alive() {
-                if let Ok(g) = nix::unistd::getpgid(Some(nix::unistd::Pid::from_raw(p.pid))) {
-                    procs::kill_group(g.as_raw() as u32);
-                }
-                procs::kill(p);
-            }
-        }
-        self.torn_down = true;
-        alive
-    }
-}
-
-/// A message from the `lockd watch` reader.
-struct WatchMsg {
-    /// Grant observation with the fence check done at read time.
-    grant: Option<GrantObs>,
-}
-
-/// The previous lease holder's processes, checked by the watch reader at each grant.
-#[derive(Default)]
-struct Fence {
-    /// The engine life holding the lease (engine id, incarnation): a restarted life of the
-    /// same engine is a different set of processes and must not be mixed in.
-    holder: Option<(u64, u32)>,
-    /// Its engine processes.
-    pids: Vec<Pinned>,
-}
-
 /// Where the drill is, for the restart policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
+enum Stage {
     /// Before round `r` (or setting up for it).
     Between(usize),
     /// Inside round `r`.
@@ -337,24 +213,10 @@ struct Drill {
     sched: Vec<FailureKind>,
     /// The temporary directory (socket, state file, claim file, pid files, logs).
     dir: PathBuf,
-    /// lockd's unix socket.
-    sock: PathBuf,
     /// The fake engines' shared GPU claim file (`.violations` next to it).
     claim: PathBuf,
-    /// `lockd serve`.
-    lockd: Option<Child>,
-    /// Its pid (and process group), to SIGKILL it in a lockd-crash round.
-    lockd_pid: Option<u32>,
-    /// `lockd watch`, whose lines give the exact grant moments.
-    watch: Option<Child>,
-    /// Grants read from the watch stream, with the fence check already done.
-    watch_rx: Option<mpsc::UnboundedReceiver<WatchMsg>>,
-    /// The sending side every watch reader gets a clone of.
-    watch_tx: Option<mpsc::UnboundedSender<WatchMsg>>,
-    /// Watches of lockd lives that crashed, until they have ended.
-    old_watches: Vec<Child>,
-    /// The current lease holder's engine processes, shared with the watch reader.
-    fence: Arc<Mutex<Fence>>,
+    /// The drill's lockd (serve + watch).
+    lockd: LockdProc,
     /// The running life of engine 0 and engine 1 ("containers").
     sides: [Option<Inc>; 2],
     /// Lives that ended (kept for the round's analysis and for cleanup).
@@ -366,7 +228,7 @@ struct Drill {
     /// Every process group started (supervisors, lockd, watch), for cleanup.
     sup_pgids: Vec<u32>,
     /// Where the drill is (decides how a restarted side is configured).
-    phase: Phase,
+    stage: Stage,
     /// Newest epoch seen (grants and /state), for the strictly-increasing check.
     last_epoch: Option<u64>,
     /// Grants seen since the current round began.
@@ -475,7 +337,7 @@ impl Drill {
             None
         };
         Ok(Drill {
-            sock: dir.join("lockd.sock"),
+            lockd: LockdProc::new(bins.lockd.clone(), &dir, args.reconnect_window),
             claim: dir.join("gpu.claim"),
             dir,
             args,
@@ -483,19 +345,12 @@ impl Drill {
             kinds,
             seed,
             sched,
-            lockd: None,
-            lockd_pid: None,
-            watch: None,
-            watch_rx: None,
-            watch_tx: None,
-            old_watches: Vec::new(),
-            fence: Arc::new(Mutex::new(Fence::default())),
             sides: [None, None],
             retired: Vec::new(),
             next_n: [0, 0],
             all_pids: Vec::new(),
             sup_pgids: Vec::new(),
-            phase: Phase::Between(0),
+            stage: Stage::Between(0),
             last_epoch: None,
             grants: Vec::new(),
             pending_grant: None,
@@ -520,232 +375,7 @@ impl Drill {
         }
     }
 
-    fn endpoint(&self) -> String {
-        format!("unix:{}", self.sock.display())
-    }
-
     // ---------------------------------------------------------------- processes
-
-    fn log_file(&self, name: &str) -> Result<(Stdio, Stdio)> {
-        let p = self.dir.join("logs").join(name);
-        let f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&p)?;
-        let g = f.try_clone()?;
-        Ok((Stdio::from(f), Stdio::from(g)))
-    }
-
-    fn command(&self, program: &Path, log: &str) -> Result<Command> {
-        let mut c = Command::new(program);
-        let (out, err) = self.log_file(log)?;
-        c.stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .process_group(0)
-            .kill_on_drop(true);
-        Ok(c)
-    }
-
-    async fn start_lockd(&mut self) -> Result<()> {
-        self.spawn_lockd()?;
-        self.wait_lockd_ready().await
-    }
-
-    /// SIGKILLs lockd and reaps it.
-    async fn kill_lockd(&mut self) {
-        if let Some(p) = self.lockd_pid {
-            procs::signal_pid(p, Signal::SIGKILL);
-        }
-        if let Some(mut l) = self.lockd.take() {
-            let _ = tokio::time::timeout(Duration::from_secs(5), l.wait()).await;
-        }
-    }
-
-    /// A lockd crash: SIGKILL, restart on the same state file and socket, new watch. The
-    /// watch connects as soon as the socket accepts, before the supervisors' clients (which
-    /// back off 10 ms, 20 ms, ...) reclaim, so that it sees their reclaims.
-    async fn crash_lockd(&mut self) -> Result<()> {
-        self.kill_lockd().await;
-        self.spawn_lockd()?;
-        self.wait_socket_accepts(Duration::from_secs(10));
-        self.start_watch()?;
-        self.wait_lockd_ready()
-            .await
-            .context("restarting lockd after the crash")
-    }
-
-    /// Waits (busy, 200 us steps: this is the window a compound round injects into) until
-    /// lockd's socket accepts connections. A stale socket file of a killed lockd refuses them.
-    fn wait_socket_accepts(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if std::os::unix::net::UnixStream::connect(&self.sock).is_ok() {
-                return true;
-            }
-            if Instant::now() > deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        }
-    }
-
-    /// Starts `lockd serve` without waiting for it.
-    fn spawn_lockd(&mut self) -> Result<()> {
-        let mut c = self.command(&self.bins.lockd.clone(), "lockd.log")?;
-        c.arg("serve")
-            .arg("--listen")
-            .arg(self.endpoint())
-            .arg("--state")
-            .arg(self.dir.join("lockd.state"))
-            .arg("--reconnect-window")
-            .arg(humantime::format_duration(self.args.reconnect_window).to_string());
-        let child = c.spawn().context("starting lockd")?;
-        self.lockd_pid = child.id();
-        if let Some(p) = child.id() {
-            self.sup_pgids.push(p);
-        }
-        self.lockd = Some(child);
-        Ok(())
-    }
-
-    /// Waits until the lockd just spawned answers `lockd status`.
-    async fn wait_lockd_ready(&mut self) -> Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(ch) = self.lockd.as_mut() {
-                if let Ok(Some(st)) = ch.try_wait() {
-                    bail!(
-                        "lockd exited at start ({st}); see {}",
-                        self.dir.join("logs/lockd.log").display()
-                    );
-                }
-            }
-            if self.sock.exists() && self.lockd_status().await.is_ok() {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!("lockd did not answer within 10s");
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    }
-
-    async fn lockd_cmd(&self, args: &[&str], timeout: Duration) -> Result<(bool, String)> {
-        let mut c = Command::new(&self.bins.lockd);
-        c.args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        let out = tokio::time::timeout(timeout, c.output())
-            .await
-            .map_err(|_| anyhow!("lockd {} timed out", args.first().copied().unwrap_or("")))??;
-        let mut text = String::from_utf8_lossy(&out.stdout).to_string();
-        if !out.status.success() {
-            text.push_str(&String::from_utf8_lossy(&out.stderr));
-        }
-        Ok((out.status.success(), text))
-    }
-
-    async fn lockd_status(&self) -> Result<StatusReport> {
-        let ep = self.endpoint();
-        let (ok, text) = self
-            .lockd_cmd(&["status", "--connect", &ep], Duration::from_secs(3))
-            .await?;
-        if !ok {
-            bail!("lockd status failed: {}", text.trim());
-        }
-        Ok(serde_json::from_str(text.trim())?)
-    }
-
-    fn start_watch(&mut self) -> Result<()> {
-        // The previous watch ends by itself once its lockd died; its reader still delivers
-        // what it printed before (a grant right before a lockd crash), in order.
-        self.old_watches
-            .retain_mut(|w| matches!(w.try_wait(), Ok(None)));
-        if let Some(w) = self.watch.take() {
-            self.old_watches.push(w);
-        }
-        let mut c = Command::new(&self.bins.lockd);
-        let (_, err) = self.log_file("lockd-watch.log")?;
-        c.arg("watch")
-            .arg("--connect")
-            .arg(self.endpoint())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(err)
-            .process_group(0)
-            .kill_on_drop(true);
-        let mut child = c.spawn().context("starting lockd watch")?;
-        let stdout = child
-            .stdout
-            .take()
-            .ok_or_else(|| anyhow!("no stdout from lockd watch"))?;
-        let tx = match &self.watch_tx {
-            Some(tx) => tx.clone(),
-            None => {
-                let (tx, rx) = mpsc::unbounded_channel();
-                self.watch_rx = Some(rx);
-                self.watch_tx = Some(tx.clone());
-                tx
-            }
-        };
-        let fence = Arc::clone(&self.fence);
-        let log = self.dir.join("logs/lockd-watch.events");
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stdout).lines();
-            let mut logf = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(log)
-                .ok();
-            while let Ok(Some(line)) = lines.next_line().await {
-                let seen = now_us();
-                let Some(ev) = observe::parse_watch_line(&line) else {
-                    continue;
-                };
-                let grant = (ev.is_grant() && ev.resource.as_deref().is_none_or(|r| r == RESOURCE))
-                    .then(|| {
-                        // The fencing check, as close to the grant as the drill can see it.
-                        let (engine_id, checked, alive) = match fence.lock() {
-                            Ok(f) if !ev.reclaimed => (
-                                f.holder.map(|h| h.0),
-                                f.pids.len(),
-                                f.pids
-                                    .iter()
-                                    .filter(|p| p.is_alive())
-                                    .map(|p| p.pid as u32)
-                                    .collect(),
-                            ),
-                            Ok(f) => (f.holder.map(|h| h.0), 0, Vec::new()),
-                            Err(_) => (None, 0, Vec::new()),
-                        };
-                        GrantObs {
-                            seen_at_unix_us: seen,
-                            epoch: ev.epoch,
-                            holder: ev.holder.clone(),
-                            reclaimed: ev.reclaimed,
-                            previous_engine_id: engine_id,
-                            previous_alive_pids: alive,
-                            previous_checked: checked,
-                        }
-                    });
-                if let Some(f) = logf.as_mut() {
-                    use std::io::Write;
-                    let _ = writeln!(f, "{seen} {line}");
-                }
-                if tx.send(WatchMsg { grant }).is_err() {
-                    break;
-                }
-            }
-        });
-        if let Some(p) = child.id() {
-            self.sup_pgids.push(p);
-        }
-        self.watch = Some(child);
-        Ok(())
-    }
 
     /// `--load N`: N CPU-bound busy loops, each in its own process group (killed with the
     /// drill's other groups at every exit path; PDEATHSIG if the drill itself dies).
@@ -820,175 +450,27 @@ impl Drill {
         }
     }
 
-    fn engine_cmd(
-        &self,
-        engine_id: u64,
-        port: u16,
-        pid_file: &Path,
-        cfg: EngineConfig,
-    ) -> Result<Vec<String>> {
-        let subst = |s: &str| {
-            s.replace("{port}", &port.to_string())
-                .replace("{engine_id}", &engine_id.to_string())
-                .replace("{pid_file}", &pid_file.display().to_string())
-                .replace("{gpu_claim}", &self.claim.display().to_string())
-        };
-        if let Some(cmd) = &self.args.engine_cmd {
-            return Ok(split_command(cmd)?.iter().map(|w| subst(w)).collect());
-        }
-        let fe = self
-            .bins
-            .fake_engine
-            .as_ref()
-            .ok_or_else(|| anyhow!("no fake-engine"))?;
-        let mut v = vec![
-            fe.display().to_string(),
-            "--port".into(),
-            port.to_string(),
-            "--engine-id".into(),
-            engine_id.to_string(),
-            "--gpu-claim".into(),
-            self.claim.display().to_string(),
-            "--pid-file".into(),
-            pid_file.display().to_string(),
-            "--workers".into(),
-            self.args.workers.to_string(),
-        ];
-        if cfg.detach_workers {
-            v.push("--detach-workers".into());
-        }
-        if cfg.hung_wake {
-            v.push("--wake".into());
-            v.push("1h".into());
-        } else if cfg.slow_wake {
-            v.push("--wake".into());
-            v.push(humantime::format_duration(self.args.slow_wake).to_string());
-        }
-        if cfg.linger_workers && !self.args.worker_linger.is_zero() {
-            v.push("--worker-linger".into());
-            v.push(humantime::format_duration(self.args.worker_linger).to_string());
-        }
-        if let Some(d) = &self.gpu_sim {
-            v.push("--gpu-sim".into());
-            v.push(d.display().to_string());
-            v.push("--gpu-sim-bytes".into());
-            v.push(self.args.gpu_sim_bytes.to_string());
-        }
-        v.extend(self.args.engine_arg.iter().map(|a| subst(a)));
-        Ok(v)
-    }
-
     fn start_side(&mut self, side: usize, role: &str, cfg: EngineConfig) -> Result<()> {
-        let engine_id = side as u64;
         let n = self.next_n[side];
         self.next_n[side] += 1;
-        let probes: SocketAddr = ([127, 0, 0, 1], procs::free_port()?).into();
-        let port = procs::free_port()?;
-        let pid_file = self.dir.join(format!("engine-{engine_id}.{n}.pids"));
-        let mut c = self.command(
-            &self.bins.supervisor.clone(),
-            &format!("engine-{engine_id}.{n}.log"),
-        )?;
-        c.arg("run")
-            .args(["--engine-id", &engine_id.to_string(), "--role", role])
-            .args(["--lock", &self.endpoint(), "--resource", RESOURCE])
-            .args([
-                "--probes",
-                &probes.to_string(),
-                "--adapter",
-                &self.args.adapter,
-            ])
-            .args([
-                "--engine-url",
-                &self.args.engine_url.replace("{port}", &port.to_string()),
-            ]);
-        if !self.args.supervisor_linger.is_zero() {
-            c.arg("--linger")
-                .arg(humantime::format_duration(self.args.supervisor_linger).to_string());
-        }
-        if cfg.hung_wake {
-            c.arg("--waking-timeout")
-                .arg(humantime::format_duration(self.args.hung_waking_timeout).to_string());
-        }
-        if let Some(d) = &self.gpu_sim {
-            // What one engine registers while it holds the GPU (main + workers), capped at
-            // the device: a waker waits until the previous engine's memory is back.
-            let need = self
-                .args
-                .gpu_sim_bytes
-                .saturating_mul(u64::from(self.args.workers) + 1)
-                .min(GPU_SIM_TOTAL);
-            c.arg("--gpu-sim")
-                .arg(d)
-                .arg("--min-free-memory")
-                .arg(need.to_string());
-        }
-        c.args(&self.args.supervisor_arg);
-        c.arg("--")
-            .args(self.engine_cmd(engine_id, port, &pid_file, cfg)?);
-        // If the drill itself dies, its supervisors die (the drill spawns from the main thread).
-        // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
-        unsafe {
-            c.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = c
-            .spawn()
-            .with_context(|| format!("starting supervisor for engine {engine_id}"))?;
-        let sup_pid = child
-            .id()
-            .ok_or_else(|| anyhow!("supervisor exited at once"))?;
-        self.sup_pgids.push(sup_pid);
-        let (tx, rx) = oneshot::channel();
-        tokio::spawn(async move {
-            let st = child.wait().await;
-            let _ = tx.send((
-                now_us(),
-                st.map_or_else(|e| e.to_string(), |s| s.to_string()),
-            ));
-        });
-        tracing::info!(
-            engine_id,
-            incarnation = n,
-            role,
-            ?cfg,
-            sup_pid,
-            "drill: side started"
-        );
-        self.sides[side] = Some(Inc {
-            engine_id,
-            n,
-            config: cfg,
-            sup_pid,
-            probes,
-            engine_port: port,
-            served: false,
-            pid_file,
-            exit_rx: rx,
-            exited: None,
-            torn_down: false,
-            engine_pids: Vec::new(),
-            pids_refreshed_in: None,
-            engine_gone_us: None,
-            state: None,
-            transitions: Vec::new(),
-            live_failures: 0,
-            next_live: Instant::now() + self.args.liveness_period,
-            term_sent: None,
-            sigkilled_at: None,
-            sigkilled_us: None,
-        });
+        let launch = Launch {
+            args: &self.args,
+            bins: &self.bins,
+            dir: &self.dir,
+            claim: &self.claim,
+            gpu_sim: self.gpu_sim.as_deref(),
+            endpoint: self.lockd.endpoint(),
+        };
+        let inc = launch.start(side as u64, n, role, cfg)?;
+        self.sup_pgids.push(inc.sup_pid);
+        self.sides[side] = Some(inc);
         Ok(())
     }
 
     /// The configuration a side restarted now gets (see schedule.rs).
     fn restart_config(&self, side: usize) -> EngineConfig {
-        match self.phase {
-            Phase::InRound(r) => {
+        match self.stage {
+            Stage::InRound(r) => {
                 let other_hangs = self.sides[1 - side]
                     .as_ref()
                     .is_some_and(|o| o.config.hung_wake && !o.finished());
@@ -998,8 +480,8 @@ impl Drill {
                     schedule::standby_config(&self.sched, r + 1)
                 }
             }
-            Phase::Between(r) => schedule::standby_config(&self.sched, r),
-            Phase::Stopping => EngineConfig::default(),
+            Stage::Between(r) => schedule::standby_config(&self.sched, r),
+            Stage::Stopping => EngineConfig::default(),
         }
     }
 
@@ -1007,34 +489,22 @@ impl Drill {
 
     async fn tick(&mut self) {
         // 0. A watch that ended while lockd runs (it could not connect) is started again.
-        let lockd_up = self
-            .lockd
-            .as_mut()
-            .is_some_and(|l| matches!(l.try_wait(), Ok(None)));
-        let watch_dead = self
-            .watch
-            .as_mut()
-            .is_some_and(|w| !matches!(w.try_wait(), Ok(None)));
-        if lockd_up && watch_dead && self.phase != Phase::Stopping {
+        if self.stage != Stage::Stopping && self.lockd.watch_needs_restart() {
             self.round_notes
                 .push("lockd watch ended while lockd ran; restarted".into());
-            if let Err(e) = self.start_watch() {
+            if let Err(e) = self.lockd.start_watch() {
                 self.say(&format!("drill: cannot restart lockd watch: {e:#}"));
             }
         }
         // 1. Lock events.
-        if let Some(rx) = self.watch_rx.as_mut() {
-            while let Ok(m) = rx.try_recv() {
-                if let Some(g) = m.grant {
-                    if let Some(e) = g.epoch {
-                        self.last_epoch = Some(self.last_epoch.map_or(e, |l| l.max(e)));
-                    }
-                    if !g.reclaimed {
-                        self.pending_grant = Some((g.epoch, g.holder.clone()));
-                    }
-                    self.grants.push(g);
-                }
+        for g in self.lockd.take_grants() {
+            if let Some(e) = g.epoch {
+                self.last_epoch = Some(self.last_epoch.map_or(e, |l| l.max(e)));
             }
+            if !g.reclaimed {
+                self.pending_grant = Some((g.epoch, g.holder.clone()));
+            }
+            self.grants.push(g);
         }
         // 2. Supervisor states.
         let a0 = self.sides[0]
@@ -1064,10 +534,8 @@ impl Drill {
                 }
             }
             let st = inc.phase();
-            if matches!(
-                st,
-                Some(SupPhase::Standby | SupPhase::Waking | SupPhase::Active)
-            ) && inc.pids_refreshed_in != st
+            if matches!(st, Some(Phase::Standby | Phase::Waking | Phase::Active))
+                && inc.pids_refreshed_in != st
             {
                 inc.pids_refreshed_in = st;
                 let before = inc.engine_pids.len();
@@ -1103,7 +571,7 @@ impl Drill {
                 let Some(inc) = self.sides[side].as_mut() else {
                     continue;
                 };
-                if inc.served || !inc.is(SupPhase::Active) {
+                if inc.served || !inc.is(Phase::Active) {
                     continue;
                 }
                 inc.served = true;
@@ -1125,9 +593,7 @@ impl Drill {
                     }
                     Ok(harness::http::Response { status, body }) => self.round_notes.push(format!(
                         "engine {eid}.{n} is Active but its completion failed ({status}): {}",
-                        body.chars()
-                            .take(200)
-                            .collect::<String>()
+                        body.chars().take(200).collect::<String>()
                     )),
                     Err(e) => self.round_notes.push(format!(
                         "engine {eid}.{n} is Active but its completion failed: {e}"
@@ -1144,10 +610,10 @@ impl Drill {
     fn identify_holder(&mut self) {
         let Some((epoch, holder)) = self.pending_grant.clone() else {
             // Keep the fence's pid list current for the known holder.
-            let key = self.fence.lock().ok().and_then(|f| f.holder);
+            let key = self.lockd.fence.lock().ok().and_then(|f| f.holder);
             if let Some(key) = key {
                 if let Some(inc) = self.sides.iter().flatten().find(|i| i.key() == key) {
-                    if let Ok(mut f) = self.fence.lock() {
+                    if let Ok(mut f) = self.lockd.fence.lock() {
                         for p in &inc.engine_pids {
                             if !f.pids.contains(p) {
                                 f.pids.push(*p);
@@ -1175,7 +641,7 @@ impl Drill {
                         && by_name.is_none_or(|eid| i.engine_id == eid)
                 }
                 None => {
-                    matches!(i.phase(), Some(SupPhase::Waking | SupPhase::Active))
+                    matches!(i.phase(), Some(Phase::Waking | Phase::Active))
                         && by_name.is_none_or(|eid| i.engine_id == eid)
                 }
             });
@@ -1183,75 +649,11 @@ impl Drill {
             if let Some(h) = holder {
                 self.holder_names.insert(h, inc.engine_id);
             }
-            if let Ok(mut f) = self.fence.lock() {
+            if let Ok(mut f) = self.lockd.fence.lock() {
                 f.holder = Some(inc.key());
                 f.pids = inc.engine_pids.clone();
             }
             self.pending_grant = None;
-        }
-    }
-
-    async fn kubelet(&mut self) {
-        for side in 0..2 {
-            // Liveness probe.
-            let (due, addr, started) = match self.sides[side].as_ref() {
-                Some(i) if i.exited.is_none() && i.term_sent.is_none() => (
-                    Instant::now() >= i.next_live,
-                    i.probes,
-                    i.phase().is_some_and(|p| p != SupPhase::Init),
-                ),
-                _ => (false, ([127, 0, 0, 1], 0).into(), false),
-            };
-            if due && started {
-                let ok = observe::http_get(addr, "/live", HTTP_TIMEOUT)
-                    .await
-                    .is_ok_and(|r| r.status == 200);
-                if let Some(i) = self.sides[side].as_mut() {
-                    i.next_live = Instant::now() + self.args.liveness_period;
-                    i.live_failures = if ok { 0 } else { i.live_failures + 1 };
-                    if i.live_failures >= self.args.liveness_failures && i.exited.is_none() {
-                        tracing::info!(
-                            engine_id = i.engine_id,
-                            incarnation = i.n,
-                            "drill: liveness failed, SIGTERM (kubelet)"
-                        );
-                        procs::signal_pid(i.sup_pid, Signal::SIGTERM);
-                        i.term_sent = Some(Instant::now());
-                    }
-                }
-            }
-            // Grace period over: SIGKILL the container.
-            if let Some(i) = self.sides[side].as_mut() {
-                if i.exited.is_none()
-                    && i.term_sent
-                        .is_some_and(|t| t.elapsed() > self.args.termination_grace)
-                {
-                    i.teardown();
-                }
-            }
-            // Exited: tear down what is left (the container is gone), restart as shadow. A
-            // supervisor the drill SIGKILLed leaves its container to the runtime, which takes
-            // `--teardown-delay` to kill the rest.
-            let delay = self.args.teardown_delay;
-            let exited = self.sides[side].as_ref().is_some_and(|i| {
-                i.exited.is_some() && i.sigkilled_at.is_none_or(|t| t.elapsed() >= delay)
-            });
-            if exited {
-                let Some(mut inc) = self.sides[side].take() else {
-                    continue;
-                };
-                let left = inc.teardown();
-                if left > 0 {
-                    tracing::info!(engine_id = inc.engine_id, incarnation = inc.n, left, "drill: engine processes outlived the supervisor; killed (container teardown)");
-                }
-                self.retired.push(inc);
-                if self.phase != Phase::Stopping {
-                    let cfg = self.restart_config(side);
-                    if let Err(e) = self.start_side(side, "shadow", cfg) {
-                        self.say(&format!("drill: cannot restart engine {side}: {e:#}"));
-                    }
-                }
-            }
         }
     }
 
@@ -1269,17 +671,14 @@ impl Drill {
         }
     }
 
-    fn side_in(&self, phase: SupPhase) -> Option<usize> {
+    fn side_in(&self, phase: Phase) -> Option<usize> {
         (0..2).find(|s| self.sides[*s].as_ref().is_some_and(|i| i.is(phase)))
     }
 
     fn steady(&self) -> Option<(usize, usize)> {
-        let a = self.side_in(SupPhase::Active)?;
+        let a = self.side_in(Phase::Active)?;
         let b = 1 - a;
-        self.sides[b]
-            .as_ref()?
-            .is(SupPhase::Standby)
-            .then_some((a, b))
+        self.sides[b].as_ref()?.is(Phase::Standby).then_some((a, b))
     }
 
     fn find_inc(&self, key: (u64, u32)) -> Option<&Inc> {
@@ -1324,16 +723,14 @@ impl Drill {
         }
         self.start_load()?;
         self.setup_gpu_sim()?;
-        self.start_lockd().await?;
-        self.start_watch()?;
-        self.phase = Phase::Between(0);
+        self.lockd.start().await?;
+        self.lockd.start_watch()?;
+        self.stage = Stage::Between(0);
         self.start_side(0, "primary", schedule::active_config(&self.sched, 0))?;
         let t = self.args.startup_timeout;
         if !self
             .wait_until(t, |d| {
-                d.sides[0]
-                    .as_ref()
-                    .is_some_and(|i| i.is(SupPhase::Active))
+                d.sides[0].as_ref().is_some_and(|i| i.is(Phase::Active))
             })
             .await
         {
@@ -1352,12 +749,12 @@ impl Drill {
         self.rounds_started = Some(Instant::now());
         let mut last_end = Instant::now();
         for r in 0..self.sched.len() {
-            self.phase = Phase::Between(r);
+            self.stage = Stage::Between(r);
             if let Err(e) = self.prepare(r).await {
                 self.aborted = Some(format!("before round {}: {e:#}", r + 1));
                 return Err(e);
             }
-            self.phase = Phase::InRound(r);
+            self.stage = Stage::InRound(r);
             let mut rec = self.round(r).await?;
             rec.round_wall_us = Some(last_end.elapsed().as_micros() as u64);
             last_end = Instant::now();
@@ -1421,23 +818,26 @@ impl Drill {
 
     /// Last resort when the sides are stuck: kill both, restart primary + shadow.
     async fn reset(&mut self) -> Result<()> {
-        let saved = self.phase;
-        self.phase = Phase::Stopping;
+        let saved = self.stage;
+        self.stage = Stage::Stopping;
         for side in 0..2 {
             if let Some(mut i) = self.sides[side].take() {
                 i.teardown();
                 self.retired.push(i);
             }
         }
-        self.phase = saved;
+        self.stage = saved;
         let r = match saved {
-            Phase::Between(r) => r,
-            Phase::InRound(r) => r + 1,
-            Phase::Stopping => 0,
+            Stage::Between(r) => r,
+            Stage::InRound(r) => r + 1,
+            Stage::Stopping => 0,
         };
         let t = self.args.startup_timeout;
         self.start_side(0, "primary", schedule::active_config(&self.sched, r))?;
-        if !self.wait_until(t, |d| d.side_in(SupPhase::Active).is_some()).await {
+        if !self
+            .wait_until(t, |d| d.side_in(Phase::Active).is_some())
+            .await
+        {
             bail!("after a reset no engine became Active within {t:?}");
         }
         let free = (0..2).find(|s| self.sides[*s].is_none());
@@ -1491,7 +891,8 @@ impl Drill {
             bound += self.args.hung_waking_timeout;
         }
         let holder_before = if kind == FailureKind::LockdCrash {
-            self.lockd_status()
+            self.lockd
+                .status()
                 .await
                 .ok()
                 .and_then(|s| observe::resource(&s, RESOURCE).cloned())
@@ -1528,18 +929,18 @@ impl Drill {
             }
             FailureKind::SupervisorKill => self.sigkill_supervisor(a),
             FailureKind::Revoke => {
-                if let Err(e) = self.revoke(Duration::from_secs(5), false).await {
+                if let Err(e) = self.lockd.revoke(Duration::from_secs(5), false).await {
                     notes.push(e);
                 }
             }
             FailureKind::LockdCrash => {
-                self.crash_lockd().await?;
+                self.lockd.crash().await?;
             }
             FailureKind::LockdCrashThenSupervisorKill => {
                 // 1. lockd crash and restart; 2. the Active side reclaims its lease (its
                 //    supervisor's `lock_reclaimed` mark); 3. 0-50 ms later its supervisor dies.
                 lockd_killed_us = Some(now_us());
-                self.crash_lockd().await?;
+                self.lockd.crash().await?;
                 lockd_back_us = Some(now_us());
                 let since = lockd_killed_us.unwrap_or(0);
                 let deadline =
@@ -1570,18 +971,19 @@ impl Drill {
                 // there, while the Active side's lease still waits to be reclaimed (its
                 // client reconnects with a 10 ms, 20 ms, ... backoff).
                 lockd_killed_us = Some(now_us());
-                self.kill_lockd().await;
-                self.spawn_lockd()?;
-                self.wait_socket_accepts(Duration::from_secs(10));
+                self.lockd.kill().await;
+                self.lockd.spawn()?;
+                self.lockd.wait_socket_accepts(Duration::from_secs(10));
                 lockd_back_us = Some(now_us());
-                self.start_watch()?;
+                self.lockd.start_watch()?;
                 t_kill = now_us();
                 kill_at = Instant::now();
-                let res = self.revoke(Duration::from_secs(2), true).await;
+                let res = self.lockd.revoke(Duration::from_secs(2), true).await;
                 if let Err(e) = &res {
                     notes.push(e.clone());
                 }
-                self.wait_lockd_ready()
+                self.lockd
+                    .wait_ready()
                     .await
                     .context("restarting lockd after the crash")?;
                 if let Some(c) = comp.as_mut() {
@@ -1598,13 +1000,10 @@ impl Drill {
                 kill_engine(&mut notes)?;
                 let waking = self
                     .poll_side_until(b, kill_at + bound, |d| {
-                        matches!(
-                            d.state,
-                            SupPhase::Waking | SupPhase::Active | SupPhase::Dead
-                        )
+                        matches!(d.state, Phase::Waking | Phase::Active | Phase::Dead)
                     })
                     .await;
-                let is_waking = self.sides[b].as_ref().is_some_and(|i| i.is(SupPhase::Waking));
+                let is_waking = self.sides[b].as_ref().is_some_and(|i| i.is(Phase::Waking));
                 let st = self.sides[b].as_ref().map_or("gone", |i| i.state_label());
                 if !waking || !is_waking {
                     notes.push(format!(
@@ -1612,7 +1011,7 @@ impl Drill {
                     ));
                 }
                 lockd_killed_us = Some(now_us());
-                self.crash_lockd().await?;
+                self.lockd.crash().await?;
                 lockd_back_us = Some(now_us());
                 expected_new_engine_id = taker_key.map(|k| k.0);
                 if let Some(c) = comp.as_mut() {
@@ -1648,12 +1047,9 @@ impl Drill {
             loop {
                 self.tick().await;
                 if recovery_us.is_none() {
-                    if let Ok(s) = self.lockd_status().await {
+                    if let Ok(s) = self.lockd.status().await {
                         if let Some(res) = observe::resource(&s, RESOURCE) {
-                            if res.state == "held"
-                                && res.holder == want
-                                && want.is_some()
-                            {
+                            if res.state == "held" && res.holder == want && want.is_some() {
                                 recovery_us = Some(now_us() - t_kill);
                                 lease_reclaimed = Some(true);
                             }
@@ -1738,7 +1134,7 @@ impl Drill {
             .collect();
         let final_inc = if kind == FailureKind::LockdCrash {
             self.find_inc(victim_key)
-                .filter(|i| i.is(SupPhase::Active))
+                .filter(|i| i.is(Phase::Active))
                 .map(Inc::key)
         } else {
             self.final_active(victim_key, t_kill)
@@ -1746,7 +1142,7 @@ impl Drill {
         let final_active = final_inc.and_then(|k| self.find_inc(k)).and_then(|i| {
             let at = invariants::first_after(
                 i.transitions(),
-                SupPhase::Active,
+                Phase::Active,
                 if i.key() == victim_key { 0 } else { t_kill },
             )?
             .at_unix_us;
@@ -1775,7 +1171,7 @@ impl Drill {
                 // it in the epoch check.
                 let granted_at = final_inc
                     .and_then(|k| self.find_inc(k))
-                    .and_then(|i| invariants::first_after(i.transitions(), SupPhase::Waking, t_kill))
+                    .and_then(|i| invariants::first_after(i.transitions(), Phase::Waking, t_kill))
                     .map_or(fa.active_at_us, |t| t.at_unix_us);
                 grants.push(GrantObs {
                     seen_at_unix_us: granted_at,
@@ -1806,7 +1202,7 @@ impl Drill {
                 .iter()
                 .filter(|o| o.key() != me)
                 .flat_map(|o| o.transitions().iter())
-                .filter(|t| t.at_unix_us >= t_kill && matches!(t.to, SupPhase::Waking | SupPhase::Active))
+                .filter(|t| t.at_unix_us >= t_kill && matches!(t.to, Phase::Waking | Phase::Active))
                 .map(|t| t.at_unix_us)
                 .min()
         };
@@ -1847,7 +1243,7 @@ impl Drill {
         let mut victim_fenced = None;
         if kind == FailureKind::RevokeDuringReconnect {
             let dead = victim.is_some_and(|v| {
-                invariants::first_after(v.transitions(), SupPhase::Dead, t_kill).is_some()
+                invariants::first_after(v.transitions(), Phase::Dead, t_kill).is_some()
             });
             victim_fenced =
                 Some(dead || victim_self_exit && victim.is_some_and(|v| v.exited.is_some()));
@@ -1881,7 +1277,7 @@ impl Drill {
             // Its Dead transition; a SIGKILLed supervisor has none: then the moment its exit
             // was seen (the container is gone: the runtime kills the rest), which the drill
             // sees at once, unlike the engine's death, which it polls.
-            invariants::first_after(v.transitions(), SupPhase::Dead, t_kill)
+            invariants::first_after(v.transitions(), Phase::Dead, t_kill)
                 .map(|t| t.at_unix_us)
                 .or(v.exited.as_ref().map(|x| x.0))
                 .or(v.engine_gone_us)
@@ -1997,47 +1393,14 @@ impl Drill {
         }
     }
 
-    /// `lockd revoke` of the resource; with `retry`, tried again every 2 ms until it succeeds
-    /// or `timeout` passes (lockd just restarted: its socket may not accept yet).
-    async fn revoke(&self, timeout: Duration, retry: bool) -> std::result::Result<(), String> {
-        let ep = self.endpoint();
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let err = match self
-                .lockd_cmd(
-                    &[
-                        "revoke",
-                        "--connect",
-                        &ep,
-                        "--resource",
-                        RESOURCE,
-                        "--reason",
-                        "supervisor drill",
-                    ],
-                    left.max(Duration::from_millis(100)),
-                )
-                .await
-            {
-                Ok((true, _)) => return Ok(()),
-                Ok((false, t)) => format!("lockd revoke failed: {}", t.trim()),
-                Err(e) => format!("lockd revoke: {e:#}"),
-            };
-            if !retry || Instant::now() >= deadline {
-                return Err(err);
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    }
-
     /// The first incarnation other than the victim that entered Active after the kill.
     fn final_active(&self, victim: (u64, u32), t_kill: u64) -> Option<(u64, u32)> {
         self.sides
             .iter()
             .flatten()
-            .filter(|i| i.key() != victim && i.is(SupPhase::Active))
+            .filter(|i| i.key() != victim && i.is(Phase::Active))
             .filter_map(|i| {
-                invariants::first_after(i.transitions(), SupPhase::Active, t_kill)
+                invariants::first_after(i.transitions(), Phase::Active, t_kill)
                     .map(|t| (t.at_unix_us, i.key()))
             })
             .min()
@@ -2047,7 +1410,7 @@ impl Drill {
     // ---------------------------------------------------------------- the end
 
     async fn cleanup(&mut self) {
-        self.phase = Phase::Stopping;
+        self.stage = Stage::Stopping;
         if let Some(pb) = &self.progress {
             pb.finish_and_clear();
         }
@@ -2060,25 +1423,13 @@ impl Drill {
         for i in &mut self.retired {
             i.teardown();
         }
-        for g in &self.sup_pgids {
+        for g in self.sup_pgids.iter().chain(&self.lockd.pgids) {
             procs::kill_group(*g);
         }
         for p in &self.all_pids {
             procs::kill(p);
         }
-        for mut w in self
-            .watch
-            .take()
-            .into_iter()
-            .chain(self.old_watches.drain(..))
-        {
-            let _ = w.start_kill();
-            let _ = tokio::time::timeout(Duration::from_secs(2), w.wait()).await;
-        }
-        if let Some(mut l) = self.lockd.take() {
-            let _ = l.start_kill();
-            let _ = tokio::time::timeout(Duration::from_secs(2), l.wait()).await;
-        }
+        self.lockd.shutdown().await;
         for mut l in self.load.drain(..) {
             let _ = l.start_kill();
             let _ = tokio::time::timeout(Duration::from_secs(2), l.wait()).await;
@@ -2102,6 +1453,7 @@ impl Drill {
         }
         // Nothing left to kill: Drop must not signal recycled pids or groups.
         self.sup_pgids.clear();
+        self.lockd.pgids.clear();
         self.all_pids.clear();
         if self.args.keep_dir {
             eprintln!("supervisor drill: kept {}", self.dir.display());
@@ -2229,7 +1581,7 @@ impl Drill {
 impl Drop for Drill {
     /// Last line of defence (a panic): kill every process group and tracked pid.
     fn drop(&mut self) {
-        for g in &self.sup_pgids {
+        for g in self.sup_pgids.iter().chain(&self.lockd.pgids) {
             procs::kill_group(*g);
         }
         for p in &self.all_pids {
