@@ -432,6 +432,67 @@ pub struct LifeTransitions<'a> {
     pub exited_us: Option<u64>,
 }
 
+/// One engine life as the drill saw it: its transitions and how it ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LifeObs<'a> {
+    /// Engine id.
+    pub engine_id: u64,
+    /// Incarnation.
+    pub incarnation: u32,
+    /// Its `/state` transitions.
+    pub transitions: &'a [Transition],
+    /// When the drill saw its supervisor exit.
+    pub exited_us: Option<u64>,
+    /// When the drill SIGKILLed its supervisor.
+    pub sigkilled_us: Option<u64>,
+}
+
+/// Every transition any life made at or after `t_kill`, with its engine id.
+pub fn transitions_after(lives: &[LifeObs<'_>], t_kill: u64) -> Vec<(u64, Transition)> {
+    lives
+        .iter()
+        .flat_map(|l| {
+            l.transitions
+                .iter()
+                .filter(move |t| t.at_unix_us >= t_kill)
+                .map(move |t| (l.engine_id, t.clone()))
+        })
+        .collect()
+}
+
+/// The lives with the moment each one ended, for [`active_intervals`]: when its supervisor
+/// exited; for a supervisor the drill SIGKILLed, the earliest of its exit, the SIGKILL and the
+/// moment another life was granted the lease after `t_kill` (its Waking, or a primary's
+/// Active). A lease moves only once the previous holder's connection is closed, which a
+/// supervisor does only after leaving Active, or by dying: so this bounds the Active interval
+/// of a supervisor the drill SIGKILLed whose last transitions it never read.
+pub fn life_ends<'a>(lives: &[LifeObs<'a>], t_kill: u64) -> Vec<LifeTransitions<'a>> {
+    let granted_after_kill = |me: &LifeObs<'_>| -> Option<u64> {
+        lives
+            .iter()
+            .filter(|o| (o.engine_id, o.incarnation) != (me.engine_id, me.incarnation))
+            .flat_map(|o| o.transitions.iter())
+            .filter(|t| t.at_unix_us >= t_kill && matches!(t.to, Phase::Waking | Phase::Active))
+            .map(|t| t.at_unix_us)
+            .min()
+    };
+    lives
+        .iter()
+        .map(|l| LifeTransitions {
+            engine_id: l.engine_id,
+            incarnation: l.incarnation,
+            transitions: l.transitions,
+            exited_us: match l.sigkilled_us {
+                Some(k) => [l.exited_us, Some(k), granted_after_kill(l)]
+                    .into_iter()
+                    .flatten()
+                    .min(),
+                None => l.exited_us,
+            },
+        })
+        .collect()
+}
+
 /// The Active intervals of the given lives that had not ended before `since_us`, sorted by
 /// start, duplicates removed. An interval ends at the life's next transition, or when its
 /// supervisor exited (a SIGKILLed supervisor reports no transition), or is open.
@@ -955,5 +1016,60 @@ mod tests {
             exited_us: Some(65),
         }];
         assert_eq!(active_intervals(&lives, 20)[0].to_us, Some(65));
+    }
+
+    #[test]
+    fn a_sigkilled_life_ends_at_the_next_grant_and_overlaps_nobody() {
+        // Engine 0 was Active, its supervisor SIGKILLed at 100 (its Dead never read); engine 1
+        // was granted (Waking) at 150, Active at 160; the drill saw 0's exit at 400.
+        let a = [t("standby", 1), t("active", 10)];
+        let b = [t("standby", 2), t("waking", 150), t("active", 160)];
+        let seen = [
+            LifeObs {
+                engine_id: 0,
+                incarnation: 0,
+                transitions: &a,
+                exited_us: Some(400),
+                sigkilled_us: Some(100),
+            },
+            LifeObs {
+                engine_id: 1,
+                incarnation: 0,
+                transitions: &b,
+                exited_us: None,
+                sigkilled_us: None,
+            },
+        ];
+        let lives = life_ends(&seen, 90);
+        assert_eq!(lives[0].exited_us, Some(100));
+        assert_eq!(lives[1].exited_us, None);
+        let iv = active_intervals(&lives, 90);
+        assert_eq!(iv.len(), 2);
+        assert!(active_overlaps(&iv).is_empty());
+        // Without the SIGKILL bound, the exit seen late would make them overlap.
+        let late = [
+            LifeObs {
+                sigkilled_us: None,
+                ..seen[0].clone()
+            },
+            seen[1].clone(),
+        ];
+        let iv = active_intervals(&life_ends(&late, 90), 90);
+        assert_eq!(active_overlaps(&iv).len(), 1);
+        // A SIGKILLed life is bounded by another life's grant even before its own SIGKILL.
+        let early = [
+            LifeObs {
+                sigkilled_us: Some(500),
+                exited_us: None,
+                ..seen[0].clone()
+            },
+            seen[1].clone(),
+        ];
+        assert_eq!(life_ends(&early, 90)[0].exited_us, Some(150));
+        let moves = transitions_after(&seen, 90);
+        assert_eq!(
+            moves.iter().map(|(e, t)| (*e, t.to)).collect::<Vec<_>>(),
+            [(1, Phase::Waking), (1, Phase::Active)]
+        );
     }
 }

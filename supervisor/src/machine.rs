@@ -15,8 +15,8 @@
 
 use std::time::{Duration, Instant};
 
-use probes::Phase;
 use crate::process::ProcessEnd;
+use probes::Phase;
 
 /// Role of this supervisor (docs/INTERFACES.md `--role`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -711,7 +711,9 @@ mod tests {
         let a = m.feed(&Event::EngineExited(ProcessEnd::Exited(1)), t0);
         assert_eq!(
             a,
-            vec![Action::Fence(DeadReason::EngineExited(ProcessEnd::Exited(1)))]
+            vec![Action::Fence(DeadReason::EngineExited(ProcessEnd::Exited(
+                1
+            )))]
         );
         for e in all_events() {
             assert!(m.feed(&e, t0 + Duration::from_secs(100)).is_empty());

@@ -300,7 +300,9 @@ fn poll_readable(fd: RawFd) -> bool {
     let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
     let mut p = [PollFd::new(fd, PollFlags::POLLIN)];
     matches!(nix::poll::poll(&mut p, PollTimeout::ZERO), Ok(n) if n > 0)
-        && p[0].revents().is_some_and(|r| r.contains(PollFlags::POLLIN))
+        && p[0]
+            .revents()
+            .is_some_and(|r| r.contains(PollFlags::POLLIN))
 }
 
 /// A forked child that holds a duplicate of the lock connection until the engine has exited.
