@@ -527,8 +527,11 @@ pub async fn run_with_checks(
                     tracing::info!(pid = k.pid, "lock keeper holds the new lock connection");
                     probe_state.mark(probes::MarkKind::LockKeeperSpawned);
                     if let Some(old) = keeper.replace(k) {
-                        // SAFETY: kill(2) on our own child; reaped on SIGCHLD.
-                        unsafe { libc::kill(old.pid, libc::SIGKILL) };
+                        // Our own child; reaped on SIGCHLD.
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(old.pid),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
                     }
                 }
                 Err(e) => {
