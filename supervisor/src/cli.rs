@@ -93,6 +93,20 @@ pub fn exec_drill(args: &[OsString]) -> i32 {
     EXIT_DRILL_NOT_FOUND
 }
 
+/// `supervisor run` on a runtime whose main thread runs the driver: the engine is forked from
+/// the main thread, which lives as long as the process (PDEATHSIG is per forking thread).
+pub fn run_main(args: RunArgs) -> anyhow::Result<i32> {
+    crate::logging::init(args.log_format);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let outcome = rt.block_on(crate::driver::run(args))?;
+    // Do not wait for stray tasks (pooled HTTP connections) on the way out.
+    rt.shutdown_timeout(std::time::Duration::from_millis(100));
+    Ok(outcome.exit_code)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,18 +149,4 @@ mod tests {
             other => panic!("not drill: {other:?}"),
         }
     }
-}
-
-/// `supervisor run` on a runtime whose main thread runs the driver: the engine is forked from
-/// the main thread, which lives as long as the process (PDEATHSIG is per forking thread).
-pub fn run_main(args: RunArgs) -> anyhow::Result<i32> {
-    crate::logging::init(args.log_format);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let outcome = rt.block_on(crate::driver::run(args))?;
-    // Do not wait for stray tasks (pooled HTTP connections) on the way out.
-    rt.shutdown_timeout(std::time::Duration::from_millis(100));
-    Ok(outcome.exit_code)
 }
