@@ -200,6 +200,33 @@ enum Stage {
     Stopping,
 }
 
+/// What the drill learnt about the lease from `lockd watch` and `/state`.
+#[derive(Default)]
+struct LeaseLog {
+    /// Newest epoch seen (grants and /state), for the strictly-increasing check.
+    last_epoch: Option<u64>,
+    /// Grants seen since the current round began.
+    grants: Vec<GrantObs>,
+    /// A new grant (epoch, holder) whose engine life is not identified yet.
+    pending_grant: Option<(Option<u64>, Option<String>)>,
+    /// Holder names learnt from grants, to engine ids.
+    holder_names: HashMap<String, u64>,
+}
+
+/// Finished rounds and the drill's timeline, for the summary and the report.
+struct Tally {
+    /// Every finished round.
+    records: Vec<RoundRecord>,
+    /// Wall-clock start, for the report.
+    started_us: u64,
+    /// Why the drill stopped early, if it did.
+    aborted: Option<String>,
+    /// When the first round began (rounds per minute).
+    rounds_started: Option<Instant>,
+    /// When the last round ended.
+    rounds_ended: Option<Instant>,
+}
+
 /// One drill: its settings, its processes and what it has seen so far.
 struct Drill {
     /// The command line.
@@ -228,36 +255,22 @@ struct Drill {
     all_pids: Vec<Pinned>,
     /// Every process group started (supervisors, lockd, watch), for cleanup.
     sup_pgids: Vec<u32>,
+    /// What the drill learnt about the lease (grants, epochs, holder names).
+    lease: LeaseLog,
+    /// Finished rounds and the drill's timeline.
+    tally: Tally,
     /// Where the drill is (decides how a restarted side is configured).
     stage: Stage,
-    /// Newest epoch seen (grants and /state), for the strictly-increasing check.
-    last_epoch: Option<u64>,
-    /// Grants seen since the current round began.
-    grants: Vec<GrantObs>,
-    /// A new grant (epoch, holder) whose engine life is not identified yet.
-    pending_grant: Option<(Option<u64>, Option<String>)>,
-    /// Holder names learnt from grants, to engine ids.
-    holder_names: HashMap<String, u64>,
-    /// Every finished round.
-    records: Vec<RoundRecord>,
     /// The progress bar on a terminal.
     progress: Option<indicatif::ProgressBar>,
     /// The planted-bug switch is set in our environment (reported, warned about).
     planted: bool,
-    /// Wall-clock start, for the report.
-    started_us: u64,
-    /// Why the drill stopped early, if it did.
-    aborted: Option<String>,
     /// Things seen during the current round that are worth a note in its record.
     round_notes: Vec<String>,
     /// `--load` busy loops.
     load: Vec<Child>,
     /// `--gpu-sim`: the simulated device's directory.
     gpu_sim: Option<PathBuf>,
-    /// When the first round began (rounds per minute).
-    rounds_started: Option<Instant>,
-    /// When the last round ended.
-    rounds_ended: Option<Instant>,
 }
 
 impl Drill {
@@ -347,25 +360,24 @@ impl Drill {
             seed,
             sched,
             sides: [None, None],
+            lease: LeaseLog::default(),
+            tally: Tally {
+                records: Vec::new(),
+                started_us: now_us(),
+                aborted: None,
+                rounds_started: None,
+                rounds_ended: None,
+            },
             retired: Vec::new(),
             next_n: [0, 0],
             all_pids: Vec::new(),
             sup_pgids: Vec::new(),
             stage: Stage::Between(0),
-            last_epoch: None,
-            grants: Vec::new(),
-            pending_grant: None,
-            holder_names: HashMap::new(),
-            records: Vec::new(),
             progress,
             planted,
-            started_us: now_us(),
-            aborted: None,
             round_notes: Vec::new(),
             load: Vec::new(),
             gpu_sim: None,
-            rounds_started: None,
-            rounds_ended: None,
         })
     }
 
@@ -500,12 +512,12 @@ impl Drill {
         // 1. Lock events.
         for g in self.lockd.take_grants() {
             if let Some(e) = g.epoch {
-                self.last_epoch = Some(self.last_epoch.map_or(e, |l| l.max(e)));
+                self.lease.last_epoch = Some(self.lease.last_epoch.map_or(e, |l| l.max(e)));
             }
             if !g.reclaimed {
-                self.pending_grant = Some((g.epoch, g.holder.clone()));
+                self.lease.pending_grant = Some((g.epoch, g.holder.clone()));
             }
-            self.grants.push(g);
+            self.lease.grants.push(g);
         }
         // 2. Supervisor states.
         let a0 = self.sides[0]
@@ -609,7 +621,7 @@ impl Drill {
     }
 
     fn identify_holder(&mut self) {
-        let Some((epoch, holder)) = self.pending_grant.clone() else {
+        let Some((epoch, holder)) = self.lease.pending_grant.clone() else {
             // Keep the fence's pid list current for the known holder.
             let key = self.lockd.fence.lock().ok().and_then(|f| f.holder);
             if let Some(key) = key {
@@ -627,7 +639,7 @@ impl Drill {
         };
         let by_name = holder
             .as_ref()
-            .and_then(|h| self.holder_names.get(h).copied());
+            .and_then(|h| self.lease.holder_names.get(h).copied());
         // The life whose /state reports the granted epoch (even if it already died: its
         // processes are what the next grant must find dead); without an epoch, the one of the
         // named engine now waking or active.
@@ -648,13 +660,13 @@ impl Drill {
             });
         if let Some(inc) = found {
             if let Some(h) = holder {
-                self.holder_names.insert(h, inc.engine_id);
+                self.lease.holder_names.insert(h, inc.engine_id);
             }
             if let Ok(mut f) = self.lockd.fence.lock() {
                 f.holder = Some(inc.key());
                 f.pids = inc.engine_pids.clone();
             }
-            self.pending_grant = None;
+            self.lease.pending_grant = None;
         }
     }
 
@@ -747,24 +759,25 @@ impl Drill {
                 self.dir.join("logs").display()
             );
         }
-        self.rounds_started = Some(Instant::now());
+        self.tally.rounds_started = Some(Instant::now());
         let mut last_end = Instant::now();
         for r in 0..self.sched.len() {
             self.stage = Stage::Between(r);
             if let Err(e) = self.prepare(r).await {
-                self.aborted = Some(format!("before round {}: {e:#}", r + 1));
+                self.tally.aborted = Some(format!("before round {}: {e:#}", r + 1));
                 return Err(e);
             }
             self.stage = Stage::InRound(r);
             let mut rec = self.round(r).await?;
             rec.round_wall_us = Some(last_end.elapsed().as_micros() as u64);
             last_end = Instant::now();
-            self.rounds_ended = Some(last_end);
+            self.tally.rounds_ended = Some(last_end);
             let line = rec.line(self.args.iterations);
             self.say(&line);
             if let Some(pb) = &self.progress {
                 pb.inc(1);
                 let v: usize = self
+                    .tally
                     .records
                     .iter()
                     .map(|r| r.violations.len())
@@ -773,9 +786,9 @@ impl Drill {
                 pb.set_message(format!("{v} violations"));
             }
             let violated = !rec.violations.is_empty();
-            self.records.push(rec);
+            self.tally.records.push(rec);
             if violated && self.args.stop_on_violation {
-                self.aborted = Some(format!(
+                self.tally.aborted = Some(format!(
                     "stopped after the violation in round {} (--stop-on-violation)",
                     r + 1
                 ));
@@ -914,48 +927,55 @@ impl Drill {
             Ok(Ok(())) => None,
             Ok(Err(e)) => {
                 eprintln!("supervisor drill: {e:#}");
-                if self.aborted.is_none() {
-                    self.aborted = Some(format!("{e:#}"));
+                if self.tally.aborted.is_none() {
+                    self.tally.aborted = Some(format!("{e:#}"));
                 }
                 None
             }
             Err(code) => {
                 eprintln!(
                     "supervisor drill: interrupted after {} rounds; cleaned up",
-                    self.records.len()
+                    self.tally.records.len()
                 );
-                self.aborted = Some("interrupted".into());
+                self.tally.aborted = Some("interrupted".into());
                 Some(code)
             }
         };
-        let summary = report::summarize(&self.records);
-        let total: usize = self.records.iter().map(|r| r.violations.len()).sum();
+        let summary = report::summarize(&self.tally.records);
+        let total: usize = self.tally.records.iter().map(|r| r.violations.len()).sum();
         let code = if total > 0 {
             EXIT_VIOLATION
         } else if let Some(c) = interrupted {
             c
-        } else if self.aborted.is_some() {
+        } else if self.tally.aborted.is_some() {
             EXIT_DRILL_ERROR
         } else {
             EXIT_OK
         };
         print!("{}", report::summary_table(&summary));
-        let rpm = match (self.rounds_started, self.rounds_ended) {
+        let rpm = match (self.tally.rounds_started, self.tally.rounds_ended) {
             (Some(a), Some(b)) => {
-                report::rounds_per_minute(self.records.len(), (b - a).as_micros() as u64)
+                report::rounds_per_minute(self.tally.records.len(), (b - a).as_micros() as u64)
             }
             _ => None,
         };
-        if let (Some(rpm), Some(a), Some(b)) = (rpm, self.rounds_started, self.rounds_ended) {
+        if let (Some(rpm), Some(a), Some(b)) =
+            (rpm, self.tally.rounds_started, self.tally.rounds_ended)
+        {
             println!(
                 "{} rounds in {:.1}s: {rpm:.1} rounds/min (load {}, reconnect window {})",
-                self.records.len(),
+                self.tally.records.len(),
                 (b - a).as_secs_f64(),
                 self.args.load,
                 humantime::format_duration(self.args.reconnect_window)
             );
         }
-        for r in self.records.iter().filter(|r| !r.violations.is_empty()) {
+        for r in self
+            .tally
+            .records
+            .iter()
+            .filter(|r| !r.violations.is_empty())
+        {
             for v in &r.violations {
                 println!("violation in round {} ({}): {v}", r.round, r.kind);
             }
@@ -968,7 +988,7 @@ impl Drill {
         let rep = Report {
             report_version: 1,
             iterations: self.args.iterations,
-            completed_rounds: self.records.len() as u32,
+            completed_rounds: self.tally.records.len() as u32,
             kinds: self.kinds.clone(),
             order: self.args.order,
             seed: self.seed,
@@ -976,13 +996,13 @@ impl Drill {
             adapter: self.args.adapter.clone(),
             failover_bound_ms: self.args.failover_bound.as_millis() as u64,
             planted_bug: self.planted,
-            started_unix_us: self.started_us,
+            started_unix_us: self.tally.started_us,
             finished_unix_us: now_us(),
             summary: summary.clone(),
             total_violations: total,
-            aborted: self.aborted.clone(),
+            aborted: self.tally.aborted.clone(),
             exit_code: code,
-            rounds: self.records.clone(),
+            rounds: self.tally.records.clone(),
             load: self.args.load,
             worker_linger_ms: self.args.worker_linger.as_millis() as u64,
             reconnect_window_ms: self.args.reconnect_window.as_millis() as u64,
@@ -1001,8 +1021,8 @@ impl Drill {
             }
         }
         if let Some(p) = &self.args.svg {
-            let title = format!("supervisor drill, {} rounds", self.records.len());
-            match super::svg::render(&self.records, &summary, &title) {
+            let title = format!("supervisor drill, {} rounds", self.tally.records.len());
+            match super::svg::render(&self.tally.records, &summary, &title) {
                 Ok(s) => {
                     if let Err(e) = std::fs::write(p, s) {
                         eprintln!("supervisor drill: writing {}: {e}", p.display());

@@ -114,10 +114,11 @@ impl Drill {
         }
         self.identify_holder();
         let epoch_before = self
+            .lease
             .last_epoch
             .or_else(|| self.sides[a].as_ref().and_then(|i| i.state.as_ref()?.epoch));
         let claim_before = self.claim_lines().len();
-        self.grants.clear();
+        self.lease.grants.clear();
         self.round_notes.clear();
         self.retired.retain(|i| !i.finished() || i.exited.is_none());
         let victim_pid = self.sides[a].as_ref().and_then(|i| {
@@ -384,7 +385,7 @@ impl Drill {
                 // The waker of a lockd-crash-during-wake round may become Active before its
                 // client reconnects (backoff up to 250 ms): wait for its reclaim too.
                 let reclaim_done = kind != FailureKind::LockdCrashDuringWake
-                    || self.grants.iter().any(|g| g.reclaimed)
+                    || self.lease.grants.iter().any(|g| g.reclaimed)
                     || taker_key.and_then(|k| self.find_inc(k)).is_some_and(|i| {
                         i.mark(MarkKind::LockReclaimed)
                             .is_some_and(|m| m >= lockd_killed_us.unwrap_or(u64::MAX))
@@ -479,7 +480,7 @@ impl Drill {
                 active_at_us: at,
             })
         });
-        let mut grants = self.grants.clone();
+        let mut grants = self.lease.grants.clone();
         grants.sort_by_key(|g| g.seen_at_unix_us);
         // Fallback when lockd watch saw no grant: the new Active's Waking transition.
         if kind.expects_failover() && !grants.iter().any(|g| !g.reclaimed) {
@@ -664,6 +665,7 @@ impl Drill {
         // When the drill read each grant from `lockd watch` (lockd's side of the hand-over,
         // to tell a slow grant from a slow client): `watch.granted.1`, `watch.granted.2`, ...
         for (i, g) in self
+            .lease
             .grants
             .iter()
             .filter(|g| g.seen_at_unix_us >= t_kill)
@@ -693,9 +695,9 @@ impl Drill {
         let epoch_after = final_active
             .as_ref()
             .and_then(|f| f.epoch)
-            .or(self.last_epoch);
+            .or(self.lease.last_epoch);
         if let Some(e) = epoch_after {
-            self.last_epoch = Some(self.last_epoch.map_or(e, |l| l.max(e)));
+            self.lease.last_epoch = Some(self.lease.last_epoch.map_or(e, |l| l.max(e)));
         }
         RoundRecord {
             round: r as u32 + 1,
