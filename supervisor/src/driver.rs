@@ -527,8 +527,11 @@ pub async fn run_with_checks(
                     tracing::info!(pid = k.pid, "lock keeper holds the new lock connection");
                     probe_state.mark(probes::MarkKind::LockKeeperSpawned);
                     if let Some(old) = keeper.replace(k) {
-                        // SAFETY: kill(2) on our own child; reaped on SIGCHLD.
-                        unsafe { libc::kill(old.pid, libc::SIGKILL) };
+                        // Our own child; reaped on SIGCHLD.
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(old.pid),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
                     }
                 }
                 Err(e) => {
@@ -665,9 +668,9 @@ pub async fn run_with_checks(
     tracing::warn!(reason = %reason, urgent = reason.urgent(), "fencing engine");
     probe_state.mark(probes::MarkKind::FenceStarted);
     // PLANTED BUG hook for the drill (test-only feature, off in release builds): see
-    // crate::drill::planted_bug_early_release. Compiles to nothing without the feature.
+    // crate::fault::planted_bug_early_release. Compiles to nothing without the feature.
     #[cfg(feature = "planted-bug-early-release")]
-    crate::drill::planted_bug_early_release(&mut lock, &args.resource).await;
+    crate::fault::planted_bug_early_release(&mut lock, &args.resource).await;
     let report = process::fence(&mut engine, reason.urgent(), args.stop_grace).await;
     probe_state.mark(probes::MarkKind::Fenced);
     probe_state
@@ -680,7 +683,7 @@ pub async fn run_with_checks(
         reaped = report.reaped,
         escalated = report.escalated,
         alive_at_start = report.alive_at_start,
-        engine_status = report.engine_status.as_deref().unwrap_or("?"),
+        engine_status = %report.engine_status.unwrap_or(process::ProcessEnd::Unknown),
         "engine tree fenced: no engine process left"
     );
     // 4. GPU memory: the tree is dead and reaped; if we held the lock, wait (bounded) until the

@@ -15,6 +15,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::process::ProcessEnd;
 use probes::Phase;
 
 /// Role of this supervisor (docs/INTERFACES.md `--role`).
@@ -78,7 +79,7 @@ pub enum DeadReason {
     /// SIGTERM/SIGINT: a requested stop.
     Stopped,
     /// The engine process exited on its own.
-    EngineExited(String),
+    EngineExited(ProcessEnd),
     /// Init did not finish within `--startup-timeout`.
     StartupTimeout,
     /// The sleep call failed or timed out.
@@ -266,8 +267,8 @@ pub enum Event {
         /// The check error's Display.
         cause: String,
     },
-    /// The engine process exited (exit status as text).
-    EngineExited(String),
+    /// The engine process exited (how it ended).
+    EngineExited(ProcessEnd),
     /// The held lease could not be reclaimed.
     LockLost(String),
     /// lockd revoked the lease.
@@ -322,7 +323,7 @@ pub fn step(
     }
     // Events that end every live state the same way.
     match event {
-        E::EngineExited(s) => return dead(DeadReason::EngineExited(s.clone())),
+        E::EngineExited(s) => return dead(DeadReason::EngineExited(*s)),
         E::LockLost(s) => return dead(DeadReason::LockLost(s.clone())),
         E::Revoked(s) => return dead(DeadReason::Revoked(s.clone())),
         E::LockClosed(s) => return dead(DeadReason::LockUnavailable(s.clone())),
@@ -504,7 +505,7 @@ mod tests {
             Event::WakeCheckFailed {
                 cause: "GMS holds no committed weights".into(),
             },
-            Event::EngineExited("signal 9".into()),
+            Event::EngineExited(ProcessEnd::Signaled(9)),
             Event::LockLost("gone".into()),
             Event::Revoked("ops".into()),
             Event::LockClosed("closed".into()),
@@ -563,7 +564,7 @@ mod tests {
             return keep;
         }
         match e {
-            E::EngineExited(x) => return die(DeadReason::EngineExited(x.clone())),
+            E::EngineExited(x) => return die(DeadReason::EngineExited(*x)),
             E::LockLost(x) => return die(DeadReason::LockLost(x.clone())),
             E::Revoked(x) => return die(DeadReason::Revoked(x.clone())),
             E::LockClosed(x) => return die(DeadReason::LockUnavailable(x.clone())),
@@ -707,10 +708,12 @@ mod tests {
     fn dead_is_terminal_and_fences_once() {
         let t0 = Instant::now();
         let mut m = Machine::new(cfg(Role::Shadow), t0);
-        let a = m.feed(&Event::EngineExited("exit 1".into()), t0);
+        let a = m.feed(&Event::EngineExited(ProcessEnd::Exited(1)), t0);
         assert_eq!(
             a,
-            vec![Action::Fence(DeadReason::EngineExited("exit 1".into()))]
+            vec![Action::Fence(DeadReason::EngineExited(ProcessEnd::Exited(
+                1
+            )))]
         );
         for e in all_events() {
             assert!(m.feed(&e, t0 + Duration::from_secs(100)).is_empty());
@@ -800,7 +803,7 @@ mod tests {
     fn exit_codes_are_distinct_and_only_stop_is_zero() {
         let reasons = [
             DeadReason::Stopped,
-            DeadReason::EngineExited(String::new()),
+            DeadReason::EngineExited(ProcessEnd::Unknown),
             DeadReason::StartupTimeout,
             DeadReason::SleepFailed(String::new()),
             DeadReason::WakeFailed(String::new()),

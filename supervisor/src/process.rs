@@ -3,9 +3,13 @@
 //!
 //! The supervisor makes itself a child subreaper ([`become_subreaper`]), so every process the
 //! engine spawns, even one that called setsid() and whose parent died, is reparented to the
-//! supervisor and stays findable by walking `/proc` for descendants of our pid.
+//! supervisor and stays findable by walking `/proc` for descendants of our pid ([`procfs`]).
+//!
+//! System calls go through `nix`; raw `libc` is left only where nix has no wrapper
+//! (`pidfd_open`, `close_range`) and in code that runs between `fork` and `exec`/`_exit`
+//! (`pre_exec` closures, the lock keeper's child side), which must stay async-signal-safe.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::ffi::OsString;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -13,7 +17,44 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use nix::errno::Errno;
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::sys::signal::{self, Signal};
+use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
 use tokio::io::unix::AsyncFd;
+
+/// How a process ended, as `wait` reported it. [`Display`](std::fmt::Display) gives the text
+/// of logs and `/state.dead_reason` (`exit 3`, `signal 9`, `?`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProcessEnd {
+    /// It exited with this status.
+    Exited(i32),
+    /// It was killed by this signal number.
+    Signaled(i32),
+    /// Not known (not waitable yet, or a wait status that is neither of the above).
+    Unknown,
+}
+
+impl From<WaitStatus> for ProcessEnd {
+    fn from(w: WaitStatus) -> ProcessEnd {
+        match w {
+            WaitStatus::Exited(_, code) => ProcessEnd::Exited(code),
+            WaitStatus::Signaled(_, sig, _) => ProcessEnd::Signaled(sig as i32),
+            _ => ProcessEnd::Unknown,
+        }
+    }
+}
+
+impl std::fmt::Display for ProcessEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProcessEnd::Exited(c) => write!(f, "exit {c}"),
+            ProcessEnd::Signaled(s) => write!(f, "signal {s}"),
+            ProcessEnd::Unknown => f.write_str("?"),
+        }
+    }
+}
 
 /// Errors of process management.
 #[derive(Debug, thiserror::Error)]
@@ -55,12 +96,7 @@ pub enum ProcessError {
 
 /// Make this process the reaper of its orphaned descendants.
 pub fn become_subreaper() -> Result<(), ProcessError> {
-    // SAFETY: plain prctl with integer arguments.
-    let r = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-    if r != 0 {
-        return Err(ProcessError::Subreaper(io::Error::last_os_error()));
-    }
-    Ok(())
+    nix::sys::prctl::set_child_subreaper(true).map_err(|e| ProcessError::Subreaper(e.into()))
 }
 
 /// What to spawn.
@@ -81,8 +117,8 @@ pub struct Engine {
     pub pid: i32,
     /// pidfd of the engine: readable once it has exited (it stays a zombie until we reap it).
     pidfd: AsyncFd<OwnedFd>,
-    /// Exit status once reaped (text, for logs and `/state`).
-    pub exit_status: Option<String>,
+    /// How it ended, once reaped.
+    pub exit_status: Option<ProcessEnd>,
 }
 
 /// Spawn the engine in its own process group with `PR_SET_PDEATHSIG(SIGKILL)`.
@@ -166,14 +202,12 @@ fn spawn_in_new_pid_namespace(cmd: &mut Command) -> io::Result<std::process::Chi
     let ns_err = |step, source| io::Error::other(ProcessError::PidNamespace { step, source });
     let own = std::fs::File::open("/proc/thread-self/ns/pid")
         .map_err(|e| ns_err("open /proc/thread-self/ns/pid", e))?;
-    // SAFETY: unshare with a flag; affects only this thread's children.
-    if unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
-        return Err(ns_err("unshare(CLONE_NEWPID)", io::Error::last_os_error()));
-    }
+    // Affects only this thread's children.
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWPID)
+        .map_err(|e| ns_err("unshare(CLONE_NEWPID)", e.into()))?;
     let child = cmd.spawn();
-    // SAFETY: setns on an fd we own, back to our own (ancestor) PID namespace for children.
-    if unsafe { libc::setns(own.as_raw_fd(), libc::CLONE_NEWPID) } != 0 {
-        let e = io::Error::last_os_error();
+    // Back to our own (ancestor) PID namespace for children.
+    if let Err(e) = nix::sched::setns(&own, nix::sched::CloneFlags::CLONE_NEWPID) {
         tracing::error!(error = %e, "cannot restore the PID namespace for children");
     }
     child
@@ -192,7 +226,7 @@ impl TreePins {
     /// Scan the tree; return pidfds of the processes not seen before.
     pub fn scan(&mut self) -> Vec<(i32, OwnedFd)> {
         let me = std::process::id() as i32;
-        let tree: HashSet<i32> = tree_pids().into_iter().collect();
+        let tree: HashSet<i32> = procfs::tree(me).into_iter().collect();
         self.pinned.retain(|p| tree.contains(p));
         let mut out = Vec::new();
         for &pid in &tree {
@@ -202,10 +236,7 @@ impl TreePins {
             let Ok(fd) = pidfd_open(pid) else { continue };
             // The pidfd pins whatever process has this pid now: make sure it is still ours
             // (a descendant's pid may have been recycled between the listing and the open).
-            let ours = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|s| parse_stat(&s))
-                .is_some_and(|p| p.ppid == me || tree.contains(&p.ppid));
+            let ours = procfs::stat(pid).is_some_and(|p| p.ppid == me || tree.contains(&p.ppid));
             if ours {
                 self.pinned.insert(pid);
                 out.push((pid, fd));
@@ -218,6 +249,7 @@ impl TreePins {
 /// `pidfd_open(2)`: a descriptor that names `pid` for as long as it is held, readable once the
 /// process has exited.
 pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+    // libc: nix 0.29 has no pidfd_open wrapper.
     // SAFETY: raw syscall with integer arguments; returns a new fd or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     if fd < 0 {
@@ -245,29 +277,15 @@ impl Engine {
         }
     }
 
-    /// Exit status of the exited engine without reaping it (`?` if not known).
-    pub fn peek_status(&self) -> String {
-        // SAFETY: zeroed siginfo is a valid out-parameter for waitid.
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        // SAFETY: valid pointer; WNOWAIT leaves the zombie in place.
-        let r = unsafe {
-            libc::waitid(
-                libc::P_PID,
-                self.pid as libc::id_t,
-                &mut info,
-                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
-            )
-        };
-        // SAFETY: waitid filled the SIGCHLD member (si_pid is 0 if nothing was waitable).
-        if r != 0 || unsafe { info.si_pid() } == 0 {
-            return "?".into();
-        }
-        // SAFETY: as above.
-        let status = unsafe { info.si_status() };
-        match info.si_code {
-            libc::CLD_EXITED => format!("exit {status}"),
-            libc::CLD_KILLED | libc::CLD_DUMPED => format!("signal {status}"),
-            c => format!("code {c} status {status}"),
+    /// How the exited engine ended, without reaping it ([`ProcessEnd::Unknown`] if not known).
+    pub fn peek_status(&self) -> ProcessEnd {
+        // WNOWAIT leaves the zombie in place.
+        match waitid(
+            Id::Pid(Pid::from_raw(self.pid)),
+            WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT,
+        ) {
+            Ok(w) => w.into(),
+            Err(_) => ProcessEnd::Unknown,
         }
     }
 
@@ -278,14 +296,13 @@ impl Engine {
 }
 
 fn poll_readable(fd: RawFd) -> bool {
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd, zero timeout.
-    let r = unsafe { libc::poll(&mut p, 1, 0) };
-    r > 0 && (p.revents & libc::POLLIN) != 0
+    // SAFETY: `fd` is open for the duration of this call (callers own it).
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    let mut p = [PollFd::new(fd, PollFlags::POLLIN)];
+    matches!(nix::poll::poll(&mut p, PollTimeout::ZERO), Ok(n) if n > 0)
+        && p[0]
+            .revents()
+            .is_some_and(|r| r.contains(PollFlags::POLLIN))
 }
 
 /// A forked child that holds a duplicate of the lock connection until the engine has exited.
@@ -310,6 +327,8 @@ pub fn spawn_keeper(conn: &OwnedFd, engine: &Engine) -> io::Result<Keeper> {
     let b = engine.pidfd.get_ref().as_raw_fd();
     let (lo, hi) = (a.min(b) as libc::c_uint, a.max(b) as libc::c_uint);
     let name = b"lock-keeper\0";
+    // libc, not nix: the child side runs between fork and _exit and must stay
+    // async-signal-safe (as in a pre_exec closure); close_range has no nix wrapper.
     // SAFETY: fork in a multi-threaded process; the child only makes async-signal-safe
     // syscalls (sigaction via signal, prctl, close_range, poll, _exit) on data prepared before.
     let pid = unsafe { libc::fork() };
@@ -357,152 +376,28 @@ pub fn spawn_keeper(conn: &OwnedFd, engine: &Engine) -> io::Result<Keeper> {
     Ok(Keeper { pid })
 }
 
-/// One process seen in `/proc`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ProcInfo {
-    /// Pid.
-    pub pid: i32,
-    /// Parent pid.
-    pub ppid: i32,
-    /// Process group id.
-    pub pgid: i32,
-    /// State letter (`R`, `S`, `D`, `Z`, ...).
-    pub state: char,
+/// Live (non-zombie) descendants of this process ([`procfs::live_descendants`]).
+pub fn live_descendants() -> Vec<procfs::Stat> {
+    procfs::live_descendants(std::process::id() as i32)
 }
 
-/// Parse `/proc/PID/stat` (the command name may contain spaces and parentheses).
-pub fn parse_stat(s: &str) -> Option<ProcInfo> {
-    let pid = s.split_whitespace().next()?.parse().ok()?;
-    let rest = &s[s.rfind(')')? + 1..];
-    let mut it = rest.split_whitespace();
-    let state = it.next()?.chars().next()?;
-    let ppid = it.next()?.parse().ok()?;
-    let pgid = it.next()?.parse().ok()?;
-    Some(ProcInfo {
-        pid,
-        ppid,
-        pgid,
-        state,
-    })
-}
-
-/// Every process currently in `/proc` (processes that vanish while we read are skipped).
-pub fn all_processes() -> Vec<ProcInfo> {
-    let Ok(rd) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    rd.filter_map(|e| e.ok())
-        .filter(|e| {
-            e.file_name()
-                .to_str()
-                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
-        })
-        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
-        .filter_map(|s| parse_stat(&s))
-        .collect()
-}
-
-/// Descendants of `root` (children, grandchildren, ...; `root` excluded), zombies included.
-pub fn descendants_of(root: i32, procs: &[ProcInfo]) -> Vec<ProcInfo> {
-    let mut children: HashMap<i32, Vec<ProcInfo>> = HashMap::new();
-    for p in procs {
-        children.entry(p.ppid).or_default().push(*p);
-    }
-    let mut out = Vec::new();
-    let mut stack = vec![root];
-    let mut seen = HashSet::new();
-    while let Some(p) = stack.pop() {
-        if let Some(cs) = children.get(&p) {
-            for c in cs {
-                if seen.insert(c.pid) {
-                    out.push(*c);
-                    stack.push(c.pid);
-                }
-            }
-        }
-    }
-    out
-}
-
-/// Live (non-zombie) descendants of this process.
-pub fn live_descendants() -> Vec<ProcInfo> {
-    let me = std::process::id() as i32;
-    descendants_of(me, &all_processes())
-        .into_iter()
-        .filter(|p| p.state != 'Z' && p.state != 'X')
-        .collect()
-}
-
-/// Pids listed in `/proc/PID/task/*/children` (None if the kernel lacks CONFIG_PROC_CHILDREN).
-fn children_of(pid: i32) -> Option<Vec<i32>> {
-    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
-    let mut out = Vec::new();
-    let mut any = false;
-    for t in tasks.filter_map(|e| e.ok()) {
-        match std::fs::read_to_string(t.path().join("children")) {
-            Ok(text) => {
-                any = true;
-                out.extend(
-                    text.split_whitespace()
-                        .filter_map(|x| x.parse::<i32>().ok()),
-                );
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound && !any => return None,
-            Err(_) => {}
-        }
-    }
-    Some(out)
-}
-
-/// Every descendant of this process (zombies included), cheaply: follows the
-/// `/proc/PID/task/TID/children` lists from our own pid, so the cost is the size of our tree,
-/// not of the machine's process table. These lists may miss a process that changes while they
-/// are read, so callers never use an empty result as proof: [`has_children`] is the exact test.
-/// Falls back to a full `/proc` scan without CONFIG_PROC_CHILDREN.
+/// Every descendant of this process (zombies included), cheaply ([`procfs::tree`]: follows
+/// the `/proc/PID/task/TID/children` lists, so the cost is the size of our tree). These lists
+/// may miss a process that changes while they are read, so callers never use an empty result
+/// as proof: [`has_children`] is the exact test.
 pub fn tree_pids() -> Vec<i32> {
-    let me = std::process::id() as i32;
-    let mut out = Vec::new();
-    let mut seen = HashSet::new();
-    let mut stack = vec![me];
-    while let Some(p) = stack.pop() {
-        match children_of(p) {
-            Some(cs) => {
-                for c in cs {
-                    if seen.insert(c) {
-                        out.push(c);
-                        stack.push(c);
-                    }
-                }
-            }
-            // The process vanished (None for a pid that is not us): nothing below it.
-            None if p != me => {}
-            None => {
-                return descendants_of(me, &all_processes())
-                    .iter()
-                    .map(|p| p.pid)
-                    .collect()
-            }
-        }
-    }
-    out
+    procfs::tree(std::process::id() as i32)
 }
 
 /// Whether this process has any child at all (live or zombie), asked of the kernel itself. We
 /// are a child subreaper, so every living descendant is a child or below one: no children
 /// means no descendants, exactly.
 pub fn has_children() -> bool {
-    // SAFETY: zeroed siginfo is a valid out-parameter for waitid.
-    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-    // SAFETY: valid pointer; WNOWAIT|WNOHANG: reaps nothing, never blocks.
-    let r = unsafe {
-        libc::waitid(
-            libc::P_ALL,
-            0,
-            &mut info,
-            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT | libc::__WALL,
-        )
-    };
-    !(r == -1 && io::Error::last_os_error().raw_os_error() == Some(libc::ECHILD))
+    // WNOWAIT|WNOHANG: reaps nothing, never blocks.
+    waitid(
+        Id::All,
+        WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT | WaitPidFlag::__WALL,
+    ) != Err(Errno::ECHILD)
 }
 
 /// Reap every zombie child except `keep` (the engine, whose exit the pidfd reports and whose
@@ -510,56 +405,44 @@ pub fn has_children() -> bool {
 pub fn reap_orphans(keep: i32) -> Vec<i32> {
     let mut reaped = Vec::new();
     loop {
-        // SAFETY: zeroed siginfo is a valid out-parameter for waitid.
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
         // Peek without reaping, so the engine's zombie is left alone.
-        // SAFETY: valid pointer to siginfo_t.
-        let r = unsafe {
-            libc::waitid(
-                libc::P_ALL,
-                0,
-                &mut info,
-                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
-            )
+        let Ok(w) = waitid(
+            Id::All,
+            WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT,
+        ) else {
+            return reaped;
         };
-        if r != 0 {
+        let Some(pid) = w.pid().map(Pid::as_raw) else {
+            return reaped;
+        };
+        if pid == keep {
             return reaped;
         }
-        // SAFETY: waitid filled the union member for SIGCHLD.
-        let pid = unsafe { info.si_pid() };
-        if pid == 0 || pid == keep {
-            return reaped;
-        }
-        let mut status = 0;
-        // SAFETY: reaping a known zombie child.
-        unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        let _ = waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG));
         reaped.push(pid);
     }
 }
 
-/// Reap every zombie child (engine included). Returns (pid, status text) pairs.
-pub fn reap_all() -> Vec<(i32, String)> {
+/// Reap every zombie child (engine included). Returns how each one ended.
+pub fn reap_all() -> Vec<(i32, ProcessEnd)> {
     let mut out = Vec::new();
     loop {
-        let mut status = 0;
-        // SAFETY: plain waitpid.
-        let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG | libc::__WALL) };
-        if pid <= 0 {
-            return out;
+        match waitpid(
+            Pid::from_raw(-1),
+            Some(WaitPidFlag::WNOHANG | WaitPidFlag::__WALL),
+        ) {
+            Ok(w) => match w.pid() {
+                Some(pid) => out.push((pid.as_raw(), w.into())),
+                None => return out,
+            },
+            Err(_) => return out,
         }
-        out.push((pid, describe_status(status)));
     }
 }
 
-/// `exit 3` / `signal 9` for a wait status.
-pub fn describe_status(status: i32) -> String {
-    if libc::WIFEXITED(status) {
-        format!("exit {}", libc::WEXITSTATUS(status))
-    } else if libc::WIFSIGNALED(status) {
-        format!("signal {}", libc::WTERMSIG(status))
-    } else {
-        format!("status {status}")
-    }
+/// How a process ended, from a raw wait status (`exit 3` / `signal 9` when displayed).
+pub fn describe_status(status: i32) -> ProcessEnd {
+    WaitStatus::from_raw(Pid::from_raw(0), status).map_or(ProcessEnd::Unknown, Into::into)
 }
 
 /// What fencing did.
@@ -573,8 +456,8 @@ pub struct FenceReport {
     pub escalated: bool,
     /// Processes reaped (engine included).
     pub reaped: usize,
-    /// Engine exit status as reaped.
-    pub engine_status: Option<String>,
+    /// How the engine ended, as reaped.
+    pub engine_status: Option<ProcessEnd>,
     /// Live descendants when fencing started (with --pid-namespace and a dead engine: 0,
     /// the kernel already killed them).
     pub alive_at_start: usize,
@@ -583,9 +466,9 @@ pub struct FenceReport {
     pub pids: Vec<i32>,
 }
 
-fn signal(pid: i32, sig: i32) {
-    // SAFETY: kill(2) with integer arguments; errors (ESRCH) are expected and ignored.
-    unsafe { libc::kill(pid, sig) };
+fn signal(pid: i32, sig: Signal) {
+    // Errors (ESRCH) are expected and ignored.
+    let _ = signal::kill(Pid::from_raw(pid), sig);
 }
 
 /// Fence by death: signal the engine's process group and every descendant of this process
@@ -597,13 +480,17 @@ fn signal(pid: i32, sig: i32) {
 pub async fn fence(engine: &mut Engine, urgent: bool, grace: Duration) -> FenceReport {
     let start = Instant::now();
     let mut report = FenceReport::default();
-    let mut sig = if urgent { libc::SIGKILL } else { libc::SIGTERM };
+    let mut sig = if urgent {
+        Signal::SIGKILL
+    } else {
+        Signal::SIGTERM
+    };
     report.escalated = urgent;
     let kill_at = start + grace;
-    let mut signalled: HashSet<(i32, i32)> = HashSet::new();
+    let mut signalled: HashSet<(i32, Signal)> = HashSet::new();
     let mut last_warn = start;
     let mut tree = tree_pids();
-    report.alive_at_start = tree.iter().filter(|p| is_live(**p)).count();
+    report.alive_at_start = tree.iter().filter(|p| procfs::alive(**p)).count();
     let mut seen: Vec<i32> = vec![engine.pid];
     loop {
         for p in &tree {
@@ -614,11 +501,10 @@ pub async fn fence(engine: &mut Engine, urgent: bool, grace: Duration) -> FenceR
         // The group id stays reserved while the engine is unreaped; once reaped, a recycled
         // pid could name someone else's group, so the group is only signalled before that.
         if engine.exit_status.is_none() && signalled.insert((-engine.pid, sig)) {
-            // SAFETY: killpg with integer arguments.
-            unsafe { libc::killpg(engine.pid, sig) };
+            let _ = signal::killpg(Pid::from_raw(engine.pid), sig);
         }
         for p in &tree {
-            if signalled.insert((*p, sig)) || sig == libc::SIGKILL {
+            if signalled.insert((*p, sig)) || sig == Signal::SIGKILL {
                 signal(*p, sig);
             }
         }
@@ -632,13 +518,13 @@ pub async fn fence(engine: &mut Engine, urgent: bool, grace: Duration) -> FenceR
             break;
         }
         let now = Instant::now();
-        if sig == libc::SIGTERM && now >= kill_at {
+        if sig == Signal::SIGTERM && now >= kill_at {
             tracing::warn!(
                 remaining = tree.len(),
                 grace_ms = grace.as_millis() as u64,
                 "engine tree still alive after grace period; sending SIGKILL"
             );
-            sig = libc::SIGKILL;
+            sig = Signal::SIGKILL;
             report.escalated = true;
         } else if now.duration_since(last_warn) >= Duration::from_secs(1) {
             last_warn = now;
@@ -653,17 +539,9 @@ pub async fn fence(engine: &mut Engine, urgent: bool, grace: Duration) -> FenceR
         .collect::<HashSet<_>>()
         .len();
     report.duration = start.elapsed();
-    report.engine_status = engine.exit_status.clone();
+    report.engine_status = engine.exit_status;
     report.pids = seen;
     report
-}
-
-/// Is `pid` alive and not a zombie?
-fn is_live(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| parse_stat(&s))
-        .is_some_and(|p| p.state != 'Z' && p.state != 'X')
 }
 
 #[cfg(test)]
@@ -671,18 +549,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_stat_with_odd_comm() {
-        let p = parse_stat("1234 (a b) c)) S 77 1234 1234 0 -1 4194560 ...").unwrap();
-        assert_eq!(
-            p,
-            ProcInfo {
-                pid: 1234,
-                ppid: 77,
-                pgid: 1234,
-                state: 'S'
-            }
-        );
-        assert!(parse_stat("garbage").is_none());
+    fn process_ends_read_as_before() {
+        assert_eq!(ProcessEnd::Exited(3).to_string(), "exit 3");
+        assert_eq!(ProcessEnd::Signaled(9).to_string(), "signal 9");
+        assert_eq!(ProcessEnd::Unknown.to_string(), "?");
+        // Raw wait statuses: exit 3 is 3 << 8, SIGKILL is 9.
+        assert_eq!(describe_status(3 << 8), ProcessEnd::Exited(3));
+        assert_eq!(describe_status(9), ProcessEnd::Signaled(9));
     }
 
     #[test]
@@ -709,19 +582,5 @@ mod tests {
         assert!(poll_readable(mine[0].1.as_raw_fd()), "exit reported");
         assert!(pins.scan().iter().all(|(p, _)| *p != pid));
         assert!(!pins.pinned.contains(&pid), "forgotten once gone");
-    }
-
-    #[test]
-    fn descendants_walks_the_tree() {
-        let p = |pid, ppid| ProcInfo {
-            pid,
-            ppid,
-            pgid: pid,
-            state: 'S',
-        };
-        let procs = vec![p(1, 0), p(10, 1), p(11, 10), p(12, 11), p(20, 1), p(13, 10)];
-        let mut d: Vec<i32> = descendants_of(10, &procs).iter().map(|x| x.pid).collect();
-        d.sort();
-        assert_eq!(d, vec![11, 12, 13]);
     }
 }

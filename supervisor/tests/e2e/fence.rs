@@ -11,6 +11,7 @@ use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use supervisor::process::{
     become_subreaper, fence, has_children, live_descendants, spawn_engine, tree_pids, EngineSpec,
+    ProcessEnd,
 };
 
 /// A shell that starts a detached (setsid), SIGTERM-ignoring grandchild. Fencing with a grace
@@ -85,7 +86,11 @@ async fn urgent_fence_does_not_wait_for_the_grace_period() {
     eng.exited().await;
     let report = fence(&mut eng, true, Duration::from_secs(30)).await;
     assert!(report.duration < Duration::from_secs(5), "{report:?}");
-    assert_eq!(report.engine_status.as_deref(), Some("exit 0"));
+    assert_eq!(report.engine_status, Some(ProcessEnd::Exited(0)));
+    assert_eq!(
+        report.engine_status.map(|s| s.to_string()).as_deref(),
+        Some("exit 0")
+    );
     assert!(!has_children());
 }
 

@@ -6,8 +6,8 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use super::invariants::{Phases, Violation};
-use super::schedule::{FailureKind, Order};
+use crate::invariants::{Phases, Violation};
+use crate::schedule::{FailureKind, Order};
 
 /// What one round did and measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -200,18 +200,6 @@ pub fn median(v: &[u64]) -> Option<f64> {
     })
 }
 
-/// Percentile by the nearest-rank method (`p` in 0..=100): the smallest value with at
-/// least p% of the sample at or below it.
-pub fn percentile(v: &[u64], p: f64) -> Option<u64> {
-    if v.is_empty() {
-        return None;
-    }
-    let mut s = v.to_vec();
-    s.sort_unstable();
-    let rank = ((p / 100.0) * s.len() as f64).ceil() as usize;
-    Some(s[rank.clamp(1, s.len()) - 1])
-}
-
 /// Per-kind statistics, in the order of `FailureKind::EVERY`, kinds without rounds left out.
 pub fn summarize(rounds: &[RoundRecord]) -> Vec<KindSummary> {
     let mut by: BTreeMap<FailureKind, Vec<&RoundRecord>> = BTreeMap::new();
@@ -233,7 +221,8 @@ pub fn summarize(rounds: &[RoundRecord]) -> Vec<KindSummary> {
                 count: rs.len(),
                 measured: times.len(),
                 median_ms: median(&times).map(ms),
-                p99_ms: percentile(&times, 99.0).map(|u| ms(u as f64)),
+                p99_ms: harness::stats::percentile_of(&mut times.clone(), 99.0)
+                    .map(|u| ms(u as f64)),
                 max_ms: times.iter().max().map(|u| ms(*u as f64)),
                 median_phase_ms: [
                     phase(|p| p.detect_us),
@@ -406,11 +395,14 @@ pub(crate) mod tests {
         assert_eq!(median(&[5]), Some(5.0));
         assert_eq!(median(&[4, 1, 3, 2]), Some(2.5));
         let v: Vec<u64> = (1..=100).collect();
-        assert_eq!(percentile(&v, 99.0), Some(99));
-        assert_eq!(percentile(&v, 100.0), Some(100));
-        assert_eq!(percentile(&[7, 3], 99.0), Some(7));
-        assert_eq!(percentile(&[7], 0.0), Some(7));
-        assert_eq!(percentile(&[], 50.0), None);
+        // The report's p99 is harness::stats' nearest rank: the drill's own definition before
+        // it moved there gave these same values.
+        let p = |v: &[u64], q| harness::stats::percentile_of(&mut v.to_vec(), q);
+        assert_eq!(p(&v, 99.0), Some(99));
+        assert_eq!(p(&v, 100.0), Some(100));
+        assert_eq!(p(&[7, 3], 99.0), Some(7));
+        assert_eq!(p(&[7], 0.0), Some(7));
+        assert_eq!(p(&[], 50.0), None);
     }
 
     #[test]

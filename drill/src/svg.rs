@@ -5,8 +5,8 @@
 
 use plotters::prelude::*;
 
-use super::report::{KindSummary, RoundRecord};
-use super::schedule::FailureKind;
+use crate::report::{KindSummary, RoundRecord};
+use crate::schedule::FailureKind;
 
 /// An error while drawing (plotters' errors carry the backend type, so they are flattened).
 #[derive(Debug, thiserror::Error)]
@@ -291,9 +291,9 @@ fn draw(
 
 #[cfg(test)]
 mod tests {
-    use super::super::report::summarize;
-    use super::super::report::tests::rec;
     use super::*;
+    use crate::report::summarize;
+    use crate::report::tests::rec;
 
     #[test]
     fn log_bins_cover_decades() {

@@ -1,17 +1,28 @@
 //! The invariants a round must keep, checked over what the drill recorded during the round.
 //! Pure functions over plain data: the runner observes, this module judges.
 
+use probes::Phase;
 use serde::{Deserialize, Serialize};
 
-use super::schedule::FailureKind;
+use crate::schedule::FailureKind;
 
-/// One entry of a supervisor's `/state` `transitions` list.
+/// One entry of a supervisor's `/state` `transitions` list, on the drill's unsigned clock.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Transition {
-    /// The state entered (`init`, `standby`, `waking`, `active`, `dead`).
-    pub to: String,
+    /// The phase entered.
+    pub to: Phase,
     /// When it was entered, wall clock in microseconds (comparable across processes).
     pub at_unix_us: u64,
+}
+
+impl From<&probes::Transition> for Transition {
+    /// A time before the Unix epoch (a broken clock) reads as 0.
+    fn from(t: &probes::Transition) -> Transition {
+        Transition {
+            to: t.to,
+            at_unix_us: u64::try_from(t.at_unix_us).unwrap_or(0),
+        }
+    }
 }
 
 /// A lock grant the drill saw (from `lockd watch`), with what was alive at that moment.
@@ -421,6 +432,67 @@ pub struct LifeTransitions<'a> {
     pub exited_us: Option<u64>,
 }
 
+/// One engine life as the drill saw it: its transitions and how it ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LifeObs<'a> {
+    /// Engine id.
+    pub engine_id: u64,
+    /// Incarnation.
+    pub incarnation: u32,
+    /// Its `/state` transitions.
+    pub transitions: &'a [Transition],
+    /// When the drill saw its supervisor exit.
+    pub exited_us: Option<u64>,
+    /// When the drill SIGKILLed its supervisor.
+    pub sigkilled_us: Option<u64>,
+}
+
+/// Every transition any life made at or after `t_kill`, with its engine id.
+pub fn transitions_after(lives: &[LifeObs<'_>], t_kill: u64) -> Vec<(u64, Transition)> {
+    lives
+        .iter()
+        .flat_map(|l| {
+            l.transitions
+                .iter()
+                .filter(move |t| t.at_unix_us >= t_kill)
+                .map(move |t| (l.engine_id, t.clone()))
+        })
+        .collect()
+}
+
+/// The lives with the moment each one ended, for [`active_intervals`]: when its supervisor
+/// exited; for a supervisor the drill SIGKILLed, the earliest of its exit, the SIGKILL and the
+/// moment another life was granted the lease after `t_kill` (its Waking, or a primary's
+/// Active). A lease moves only once the previous holder's connection is closed, which a
+/// supervisor does only after leaving Active, or by dying: so this bounds the Active interval
+/// of a supervisor the drill SIGKILLed whose last transitions it never read.
+pub fn life_ends<'a>(lives: &[LifeObs<'a>], t_kill: u64) -> Vec<LifeTransitions<'a>> {
+    let granted_after_kill = |me: &LifeObs<'_>| -> Option<u64> {
+        lives
+            .iter()
+            .filter(|o| (o.engine_id, o.incarnation) != (me.engine_id, me.incarnation))
+            .flat_map(|o| o.transitions.iter())
+            .filter(|t| t.at_unix_us >= t_kill && matches!(t.to, Phase::Waking | Phase::Active))
+            .map(|t| t.at_unix_us)
+            .min()
+    };
+    lives
+        .iter()
+        .map(|l| LifeTransitions {
+            engine_id: l.engine_id,
+            incarnation: l.incarnation,
+            transitions: l.transitions,
+            exited_us: match l.sigkilled_us {
+                Some(k) => [l.exited_us, Some(k), granted_after_kill(l)]
+                    .into_iter()
+                    .flatten()
+                    .min(),
+                None => l.exited_us,
+            },
+        })
+        .collect()
+}
+
 /// The Active intervals of the given lives that had not ended before `since_us`, sorted by
 /// start, duplicates removed. An interval ends at the life's next transition, or when its
 /// supervisor exited (a SIGKILLed supervisor reports no transition), or is open.
@@ -428,7 +500,7 @@ pub fn active_intervals(lives: &[LifeTransitions<'_>], since_us: u64) -> Vec<Act
     let mut out = Vec::new();
     for l in lives {
         let ts = l.transitions;
-        for (idx, t) in ts.iter().enumerate().filter(|(_, t)| t.to == "active") {
+        for (idx, t) in ts.iter().enumerate().filter(|(_, t)| t.to == Phase::Active) {
             let to_us = ts.get(idx + 1).map(|n| n.at_unix_us).or(l.exited_us);
             if to_us.is_none_or(|e| e >= since_us) {
                 out.push(ActiveInterval {
@@ -504,17 +576,17 @@ pub fn phases(
     }
 }
 
-/// The instant a side entered `state` at or after `after_us` (first such transition).
-pub fn first_after<'a>(ts: &'a [Transition], state: &str, after_us: u64) -> Option<&'a Transition> {
+/// The instant a side entered `phase` at or after `after_us` (first such transition).
+pub fn first_after(ts: &[Transition], phase: Phase, after_us: u64) -> Option<&Transition> {
     ts.iter()
-        .find(|t| t.to == state && t.at_unix_us >= after_us)
+        .find(|t| t.to == phase && t.at_unix_us >= after_us)
 }
 
 /// The Waking transition that led to the Active transition at `active_at` (the last Waking
 /// before it).
 pub fn waking_before(ts: &[Transition], active_at: u64) -> Option<u64> {
     ts.iter()
-        .filter(|t| t.to == "waking" && t.at_unix_us <= active_at)
+        .filter(|t| t.to == Phase::Waking && t.at_unix_us <= active_at)
         .map(|t| t.at_unix_us)
         .max()
 }
@@ -525,7 +597,7 @@ mod tests {
 
     fn t(to: &str, at: u64) -> Transition {
         Transition {
-            to: to.into(),
+            to: serde_json::from_value(serde_json::Value::String(to.into())).expect("a phase"),
             at_unix_us: at,
         }
     }
@@ -763,8 +835,8 @@ mod tests {
             t("waking", 20),
             t("active", 30),
         ];
-        assert_eq!(first_after(&ts, "waking", 11).unwrap().at_unix_us, 20);
-        assert!(first_after(&ts, "active", 31).is_none());
+        assert_eq!(first_after(&ts, Phase::Waking, 11).unwrap().at_unix_us, 20);
+        assert!(first_after(&ts, Phase::Active, 31).is_none());
         assert_eq!(waking_before(&ts, 30), Some(20));
         assert_eq!(waking_before(&ts, 9), None);
     }
@@ -944,5 +1016,60 @@ mod tests {
             exited_us: Some(65),
         }];
         assert_eq!(active_intervals(&lives, 20)[0].to_us, Some(65));
+    }
+
+    #[test]
+    fn a_sigkilled_life_ends_at_the_next_grant_and_overlaps_nobody() {
+        // Engine 0 was Active, its supervisor SIGKILLed at 100 (its Dead never read); engine 1
+        // was granted (Waking) at 150, Active at 160; the drill saw 0's exit at 400.
+        let a = [t("standby", 1), t("active", 10)];
+        let b = [t("standby", 2), t("waking", 150), t("active", 160)];
+        let seen = [
+            LifeObs {
+                engine_id: 0,
+                incarnation: 0,
+                transitions: &a,
+                exited_us: Some(400),
+                sigkilled_us: Some(100),
+            },
+            LifeObs {
+                engine_id: 1,
+                incarnation: 0,
+                transitions: &b,
+                exited_us: None,
+                sigkilled_us: None,
+            },
+        ];
+        let lives = life_ends(&seen, 90);
+        assert_eq!(lives[0].exited_us, Some(100));
+        assert_eq!(lives[1].exited_us, None);
+        let iv = active_intervals(&lives, 90);
+        assert_eq!(iv.len(), 2);
+        assert!(active_overlaps(&iv).is_empty());
+        // Without the SIGKILL bound, the exit seen late would make them overlap.
+        let late = [
+            LifeObs {
+                sigkilled_us: None,
+                ..seen[0].clone()
+            },
+            seen[1].clone(),
+        ];
+        let iv = active_intervals(&life_ends(&late, 90), 90);
+        assert_eq!(active_overlaps(&iv).len(), 1);
+        // A SIGKILLed life is bounded by another life's grant even before its own SIGKILL.
+        let early = [
+            LifeObs {
+                sigkilled_us: Some(500),
+                exited_us: None,
+                ..seen[0].clone()
+            },
+            seen[1].clone(),
+        ];
+        assert_eq!(life_ends(&early, 90)[0].exited_us, Some(150));
+        let moves = transitions_after(&seen, 90);
+        assert_eq!(
+            moves.iter().map(|(e, t)| (*e, t.to)).collect::<Vec<_>>(),
+            [(1, Phase::Waking), (1, Phase::Active)]
+        );
     }
 }

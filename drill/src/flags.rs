@@ -1,54 +1,20 @@
-//! `supervisor drill`: a self-contained failover drill on this machine.
-//!
-//! It starts its own `lockd serve`, two `supervisor run` (engine 0 primary, engine 1 shadow)
-//! each wrapping a `fake-engine --gpu-claim` (or `--engine-cmd`), all in a temporary
-//! directory and on loopback, then runs N rounds. Each round kills the Active side in one
-//! of the [`schedule::FailureKind`] ways and checks the invariants ([`invariants`]):
-//! at most one engine held the GPU claim at any instant, a new Active within the bound, no
-//! process of the fenced engine alive when the next lease was granted, epochs strictly
-//! increasing; and for a lockd crash, no failover at all. Dead sides are restarted as
-//! shadows, as kubelet would. See docs/DRILL.md.
-//!
-//! Exit codes: 0 every round ran and no invariant was violated; 1 at least one invariant
-//! violation; 2 the drill could not run or had to stop early (bad flags, missing binaries,
-//! the setup never reached one Active + one Standby); 130 / 143 interrupted by SIGINT /
-//! SIGTERM (everything is still cleaned up and the report covers the rounds done).
-//!
-//! Modules: [`schedule`] (which kind each round, engine configs ahead of time),
-//! [`invariants`] (pure checks), [`report`] (statistics, table, JSON), [`svg`] (picture),
-//! [`procs`] and [`observe`] (the I/O the runner uses), `runner` (the orchestration).
-
-pub mod invariants;
-pub mod observe;
-pub mod procs;
-pub mod report;
-mod runner;
-pub mod schedule;
-pub mod svg;
+//! The drill's command line (`supervisor-drill --help`, also `supervisor drill --help`): the
+//! flags only; [`crate::run`] and the runner act on them.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use schedule::Order;
+use crate::schedule::Order;
 
-/// Exit code: every round ran, no invariant violated.
-pub const EXIT_OK: i32 = 0;
-/// Exit code: at least one invariant was violated.
-pub const EXIT_VIOLATION: i32 = 1;
-/// Exit code: the drill could not run or stopped early without a violation.
-pub const EXIT_DRILL_ERROR: i32 = 2;
-
-/// The environment variable that switches on the test-only planted bug in supervisors built
-/// with the `planted-bug-early-release` feature (release the lease before the engine is dead).
-/// The drill passes its environment on to the supervisors it starts.
-pub const PLANTED_BUG_ENV: &str = "SUPERVISOR_PLANTED_BUG_EARLY_RELEASE";
-
-/// The environment variable of the second planted bug (same feature): the supervisor runs
-/// without the lock anchor, as before issue 15. Compound rounds must catch it.
-pub const PLANTED_NO_ANCHOR_ENV: &str = "SUPERVISOR_PLANTED_BUG_NO_ANCHOR";
-
-/// `supervisor drill` flags.
-#[derive(Debug, Clone, clap::Args)]
+/// `supervisor drill` / `supervisor-drill` flags.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "supervisor-drill",
+    version,
+    about = "Failover drill on this machine: its own lockd, two supervisors, two fake engines; \
+             kills the Active side N times and checks that no split brain happened \
+             (docs/DRILL.md). Also run as `supervisor drill`."
+)]
 pub struct DrillArgs {
     /// Rounds to run (each injects one failure).
     #[arg(long, env = "SUPERVISOR_DRILL_ITERATIONS", default_value_t = 20)]
@@ -158,7 +124,8 @@ pub struct DrillArgs {
     )]
     pub supervisor_arg: Vec<String>,
 
-    /// The supervisor binary to drill (default: this executable).
+    /// The supervisor binary to drill (default: `supervisor` next to this executable, then
+    /// $PATH).
     #[arg(long, env = "SUPERVISOR_DRILL_SUPERVISOR_BIN")]
     pub supervisor_bin: Option<PathBuf>,
 
@@ -225,84 +192,4 @@ pub struct DrillArgs {
     /// How often the drill polls the supervisors while a round runs.
     #[arg(long, env = "SUPERVISOR_DRILL_POLL_INTERVAL", value_parser = humantime::parse_duration, default_value = "5ms")]
     pub poll_interval: Duration,
-}
-
-/// TEST-ONLY planted bug (compiled only with the `planted-bug-early-release` feature, which no
-/// release build enables): when [`PLANTED_BUG_ENV`] is `1` (or a duration, e.g. `2s`), the
-/// supervisor calls this at the start of fencing. It releases the lease while the engine tree
-/// is still alive, then waits (default 1s, standing for an engine that takes time to die)
-/// before the normal fencing kills the tree. The drill must catch it: the next holder is
-/// granted while the old engine's processes are alive, and a fake engine whose detached
-/// workers still hold the GPU claim makes the new engine's claim fail.
-#[cfg(feature = "planted-bug-early-release")]
-pub async fn planted_bug_early_release(lock: &mut lockd::client::LockClient, resource: &str) {
-    let Ok(v) = std::env::var(PLANTED_BUG_ENV) else {
-        return;
-    };
-    let delay = match v.trim() {
-        "" | "0" | "false" => return,
-        "1" | "true" => Duration::from_secs(1),
-        other => humantime::parse_duration(other).unwrap_or(Duration::from_secs(1)),
-    };
-    tracing::error!(
-        delay_ms = delay.as_millis() as u64,
-        "PLANTED BUG: releasing the lease before the engine is dead"
-    );
-    if let Err(e) = lock.release(resource).await {
-        tracing::error!(error = %e, "PLANTED BUG: release failed");
-    }
-    tokio::time::sleep(delay).await;
-}
-
-/// Runs the drill on its own tokio runtime; returns the process exit code (see the module
-/// docs). Errors are reported on stderr and mapped to [`EXIT_DRILL_ERROR`]. `RUST_LOG` turns
-/// on the drill's own structured logs (stderr).
-pub fn run(args: DrillArgs) -> anyhow::Result<i32> {
-    if let Some(p) = &args.from_report {
-        return Ok(rerender(p, args.svg.as_deref()));
-    }
-    if std::env::var_os("RUST_LOG").is_some() {
-        crate::cli::init_logging(crate::config::LogFormat::Text);
-    }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let code = rt.block_on(runner::run(args));
-    rt.shutdown_timeout(Duration::from_millis(200));
-    Ok(code)
-}
-
-/// `--from-report`: summary table and SVG from a saved report.
-fn rerender(report: &std::path::Path, svg_out: Option<&std::path::Path>) -> i32 {
-    let text = match std::fs::read_to_string(report) {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("supervisor drill: reading {}: {e}", report.display());
-            return EXIT_DRILL_ERROR;
-        }
-    };
-    let rep: report::Report = match serde_json::from_str(&text) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!(
-                "supervisor drill: {} is not a drill report: {e}",
-                report.display()
-            );
-            return EXIT_DRILL_ERROR;
-        }
-    };
-    let summary = report::summarize(&rep.rounds);
-    print!("{}", report::summary_table(&summary));
-    if let Some(out) = svg_out {
-        let title = format!("supervisor drill, {} rounds", rep.rounds.len());
-        let written = svg::render(&rep.rounds, &summary, &title)
-            .map_err(|e| e.to_string())
-            .and_then(|s| std::fs::write(out, s).map_err(|e| e.to_string()));
-        if let Err(e) = written {
-            eprintln!("supervisor drill: writing {}: {e}", out.display());
-            return EXIT_DRILL_ERROR;
-        }
-    }
-    rep.exit_code
 }
