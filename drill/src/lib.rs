@@ -40,12 +40,12 @@ pub const EXIT_VIOLATION: i32 = 1;
 /// Exit code: the drill could not run or stopped early without a violation.
 pub const EXIT_DRILL_ERROR: i32 = 2;
 
-/// The environment variable that switches on the test-only planted bug in supervisors built
-/// with the `planted-bug-early-release` feature (release the lease before the engine is dead;
-/// `supervisor::fault`). The drill passes its environment on to the supervisors it starts.
+/// The environment variable that switches on the test-only planted bug in debug-built
+/// supervisors (or release builds with the `planted-bugs` feature): release the lease before
+/// the engine is dead (`supervisor::fault`). The drill passes its environment on to the supervisors it starts.
 pub const PLANTED_BUG_ENV: &str = supervisor::fault::EARLY_RELEASE_ENV;
 
-/// The environment variable of the second planted bug (same feature): the supervisor runs
+/// The environment variable of the second planted bug (same builds): the supervisor runs
 /// without the lock anchor, as before issue 15. Compound rounds must catch it.
 pub const PLANTED_NO_ANCHOR_ENV: &str = supervisor::fault::NO_ANCHOR_ENV;
 

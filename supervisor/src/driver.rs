@@ -111,7 +111,7 @@ fn anchor_for(args: &RunArgs) -> Option<(OwnedFd, OwnedFd)> {
         tracing::warn!(lock = %args.lock, "lockd over TCP: no anchor; after a lockd restart the lease is bound to a lock keeper that covers the engine's main process only");
         return None;
     }
-    #[cfg(feature = "planted-bug-early-release")]
+    #[cfg(any(debug_assertions, feature = "planted-bugs"))]
     if crate::fault::planted_bug_no_anchor() {
         tracing::warn!("PLANTED BUG: running without an anchor");
         return None;
@@ -318,6 +318,7 @@ pub async fn run_with_checks(
     args: RunArgs,
     checks: Option<Arc<GpuChecks>>,
 ) -> Result<RunOutcome, RunError> {
+    crate::fault::announce();
     let role = args.role;
     let adapter = args.adapter.build(args.sleep_level);
     let engine_client = EngineClient::new(&args.engine_url, adapter)?;
@@ -667,9 +668,9 @@ pub async fn run_with_checks(
     probe_state.write().engine_healthy = false;
     tracing::warn!(reason = %reason, urgent = reason.urgent(), "fencing engine");
     probe_state.mark(probes::MarkKind::FenceStarted);
-    // PLANTED BUG hook for the drill (test-only feature, off in release builds): see
-    // crate::fault::planted_bug_early_release. Compiles to nothing without the feature.
-    #[cfg(feature = "planted-bug-early-release")]
+    // PLANTED BUG hook for the drill (test-only, absent from release builds): see
+    // crate::fault::planted_bug_early_release. Compiles to nothing in a release build.
+    #[cfg(any(debug_assertions, feature = "planted-bugs"))]
     crate::fault::planted_bug_early_release(&mut lock, &args.resource).await;
     let report = process::fence(&mut engine, reason.urgent(), args.stop_grace).await;
     probe_state.mark(probes::MarkKind::Fenced);

@@ -10,7 +10,7 @@
 //! * [`config`]: the `run` command line,
 //! * [`cli`]: the top-level command line (`supervisor drill` execs `supervisor-drill`),
 //! * [`logging`]: tracing setup,
-//! * [`fault`]: the test-only planted bugs (feature `planted-bug-early-release`).
+//! * [`fault`]: the test-only planted bugs (debug builds, or the `planted-bugs` feature).
 
 pub mod adapter;
 pub mod cli;

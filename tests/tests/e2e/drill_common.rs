@@ -1,8 +1,7 @@
-//! Shared by `drill_ci.rs` and `drill_compound.rs`: build the drill's binaries with nested
-//! cargo builds into a target directory of their own (`target/drill-nested`, so that a
-//! planted-bug build never replaces a binary in `target/<profile>/` that other tests run),
-//! copied to a temporary directory; run `supervisor drill` with a private TMPDIR under a
-//! bound, and reap anything left behind (the test process is a child subreaper meanwhile).
+//! Shared by `drill_ci.rs` and `drill_compound.rs`: run `supervisor drill` (the workspace's
+//! debug binaries, which carry the test-only planted bugs behind their environment switches)
+//! with a private TMPDIR under a bound, and reap anything left behind (the test process is a
+//! child subreaper meanwhile).
 //! Callers hold [`harness::serial`]: the leftover reaper kills every child of this process.
 
 use std::path::{Path, PathBuf};
@@ -21,58 +20,18 @@ pub fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// `target/` of this test executable (`target/<profile>/deps/<test>-<hash>`).
-pub fn target_root() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    exe.ancestors()
-        .nth(3)
-        .expect("target/<profile>/deps/<exe>")
+/// The directory of the workspace's debug binaries (`target/<profile>/`), where
+/// `cargo test --workspace` built `supervisor`, `supervisor-drill`, `lockd` and `fake-engine`.
+/// The planted bugs are compiled into these debug builds and switched on only by their
+/// environment variables (`supervisor::fault`), so no nested cargo build is needed.
+pub fn bins() -> PathBuf {
+    for b in ["supervisor", "supervisor-drill", "lockd", "fake-engine"] {
+        harness::must_bin(b);
+    }
+    harness::must_bin("supervisor")
+        .parent()
+        .expect("a binary has a directory")
         .to_path_buf()
-}
-
-/// The nested builds' own target directory.
-pub fn nested_target() -> PathBuf {
-    target_root().join("drill-nested")
-}
-
-/// Builds supervisor, lockd and fake-engine (dev profile), with or without the planted bugs,
-/// into [`nested_target`], and copies them into `into`.
-pub fn build_bins(planted: bool, into: &Path) -> PathBuf {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut c = Command::new(cargo);
-    c.current_dir(workspace_root())
-        .env("CARGO_TARGET_DIR", nested_target())
-        .args([
-            "build",
-            "--profile",
-            "dev",
-            "-p",
-            "supervisor",
-            "-p",
-            "lockd",
-            "-p",
-            "fake-engine",
-            "--bin",
-            "supervisor",
-            "--bin",
-            "lockd",
-            "--bin",
-            "fake-engine",
-        ]);
-    if planted {
-        c.args(["--features", "supervisor/planted-bug-early-release"]);
-    }
-    let out = c.output().expect("running cargo build");
-    assert!(
-        out.status.success(),
-        "cargo build failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let from = nested_target().join("debug");
-    for b in ["supervisor", "lockd", "fake-engine"] {
-        std::fs::copy(from.join(b), into.join(b)).unwrap_or_else(|e| panic!("copying {b}: {e}"));
-    }
-    into.to_path_buf()
 }
 
 /// What one `supervisor drill` run produced.

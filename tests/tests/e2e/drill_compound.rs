@@ -59,8 +59,7 @@ fn assert_clean_failovers(r: &DrillRun, rounds: usize) {
 #[test]
 fn lockd_crash_then_supervisor_kill_under_load_keeps_the_lease_until_workers_die() {
     let _g = harness::serial();
-    let dir = tempfile::tempdir().unwrap();
-    let bins = build_bins(false, dir.path());
+    let bins = bins();
     let t0 = Instant::now();
     let r = drill(
         &bins,
@@ -108,8 +107,7 @@ fn lockd_crash_then_supervisor_kill_under_load_keeps_the_lease_until_workers_die
 #[test]
 fn gpu_sim_waker_checks_memory_before_every_wake() {
     let _g = harness::serial();
-    let dir = tempfile::tempdir().unwrap();
-    let bins = build_bins(false, dir.path());
+    let bins = bins();
     let r = drill(
         &bins,
         &[
@@ -160,8 +158,7 @@ fn gpu_sim_waker_checks_memory_before_every_wake() {
 #[test]
 fn other_compound_kinds_one_round_each() {
     let _g = harness::serial();
-    let dir = tempfile::tempdir().unwrap();
-    let bins = build_bins(false, dir.path());
+    let bins = bins();
     let r = drill(
         &bins,
         &[
@@ -206,8 +203,7 @@ fn other_compound_kinds_one_round_each() {
 #[test]
 fn planted_no_anchor_bug_is_caught() {
     let _g = harness::serial();
-    let dir = tempfile::tempdir().unwrap();
-    let bins = build_bins(true, dir.path());
+    let bins = bins();
     let sup = std::fs::read(bins.join("supervisor")).expect("reading supervisor");
     if !sup
         .windows(NO_ANCHOR_ENV.len())
