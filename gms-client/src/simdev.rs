@@ -291,6 +291,7 @@ mod tests {
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
+        assert!(!names.is_empty(), "the device wrote its files");
         assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
         unregister(d.path(), me).unwrap();
         unregister(d.path(), me).unwrap(); // idempotent
