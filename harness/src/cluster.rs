@@ -10,7 +10,7 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 
 use crate::bins::must_bin;
-use crate::lockd_compat::Lockd;
+use crate::lockd::{Lockd, LockdSpec};
 use crate::net::free_addr;
 use crate::proc::{kill, Proc};
 use crate::supervisor::{read_pid_file, Sup, SupOpts};
@@ -32,13 +32,14 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// New world with a lockd using `reconnect_window`.
-    pub fn new(reconnect_window: &str) -> Cluster {
+    /// New world with a lockd (socket, state and log `lockd.log` in the temp dir) using
+    /// `reconnect_window`.
+    pub fn new(reconnect_window: Duration) -> Cluster {
         let dir = tempfile::Builder::new()
             .prefix("failover-test-")
             .tempdir()
             .expect("tempdir");
-        let lockd = Lockd::start(dir.path(), reconnect_window);
+        let lockd = Lockd::start(LockdSpec::new(dir.path()).reconnect_window(reconnect_window));
         let claim = dir.path().join("gpu.claim");
         Cluster {
             dir,
@@ -75,7 +76,7 @@ impl Cluster {
         cmd.arg("run")
             .args(["--engine-id", &o.engine_id.to_string()])
             .args(["--role", o.role])
-            .args(["--lock", &self.lockd.endpoint])
+            .args(["--lock", &self.lockd.endpoint()])
             .args(["--probes", &probes.to_string()])
             .args(["--adapter", o.adapter])
             .args(["--engine-url", &format!("http://{engine}")])

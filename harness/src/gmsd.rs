@@ -17,14 +17,14 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 
-use crate::lockd::{bin, LockdError};
+use crate::bins::{bin, HarnessError};
 
 /// Why a gmsd could not be started.
 #[derive(Debug, thiserror::Error)]
 pub enum GmsdError {
-    /// A workspace binary is missing from the target dir.
-    #[error("binary {0} not found: build the workspace binaries first (`cargo build --workspace --bins`)")]
-    MissingBinary(PathBuf),
+    /// A workspace binary is missing from the target dir ([`crate::bins::bin`]).
+    #[error(transparent)]
+    Bin(#[from] HarnessError),
     /// gmsd exited while we waited for its socket.
     #[error("gmsd exited at start ({status}); log:\n{log}")]
     Exited {
@@ -44,14 +44,6 @@ pub enum GmsdError {
     /// I/O failure (spawn).
     #[error(transparent)]
     Io(#[from] std::io::Error),
-}
-
-fn find_bin(name: &str) -> Result<PathBuf, GmsdError> {
-    bin(name).map_err(|e| match e {
-        LockdError::MissingBinary(p) => GmsdError::MissingBinary(p),
-        LockdError::Io(e) => GmsdError::Io(e),
-        other => GmsdError::Io(std::io::Error::other(other.to_string())),
-    })
 }
 
 /// What `gmsd` to start.
@@ -182,7 +174,7 @@ impl Gmsd {
     pub fn try_start(spec: GmsdSpec) -> Result<Gmsd, GmsdError> {
         let bin = match &spec.bin {
             Some(b) => b.clone(),
-            None => find_bin("gmsd")?,
+            None => bin("gmsd")?,
         };
         let mut g = Gmsd {
             log: spec.socket.with_extension("log"),

@@ -22,12 +22,14 @@ use ::lockd::proto::{decode_event, encode_request, Event, Request, StatusReport}
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 
+use crate::bins::{bin, HarnessError};
+
 /// Why a lockd could not be started or asked something.
 #[derive(Debug, thiserror::Error)]
 pub enum LockdError {
-    /// A workspace binary is missing from the target dir.
-    #[error("binary {0} not found: build the workspace binaries first (`cargo build --workspace --bins`; `cargo test --workspace` builds them too)")]
-    MissingBinary(PathBuf),
+    /// A workspace binary is missing from the target dir ([`crate::bins::bin`]).
+    #[error(transparent)]
+    Bin(#[from] HarnessError),
     /// lockd exited while we waited for it to answer.
     #[error("lockd exited at start ({status}); log:\n{log}")]
     Exited {
@@ -54,25 +56,6 @@ pub enum LockdError {
     Io(#[from] std::io::Error),
 }
 
-/// Path of a workspace binary, `target/<profile>/<name>`, located from the running executable
-/// (`target/<profile>/deps/<test>-<hash>` for tests and benches, `target/<profile>/<bin>` for
-/// binaries).
-///
-/// Crate-private for now: the coordinator dedupes it with the harness' bins module.
-pub(crate) fn bin(name: &str) -> Result<PathBuf, LockdError> {
-    let exe = std::env::current_exe()?;
-    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
-    let p = dir.join(name);
-    if p.is_file() {
-        Ok(p)
-    } else {
-        Err(LockdError::MissingBinary(p))
-    }
-}
-
 /// `--log-format` of `lockd serve`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogFormat {
@@ -96,6 +79,7 @@ pub struct LockdSpec {
     log_filter: Option<String>,
     extra: Vec<OsString>,
     bin: Option<PathBuf>,
+    inherit_env: bool,
 }
 
 impl LockdSpec {
@@ -113,6 +97,7 @@ impl LockdSpec {
             log_filter: None,
             extra: Vec::new(),
             bin: None,
+            inherit_env: false,
         }
     }
 
@@ -175,6 +160,14 @@ impl LockdSpec {
         self
     }
 
+    /// Keep the caller's `LOCKD_*` environment variables in [`command`](Self::command)
+    /// (default: removed, the spec is the whole configuration). For the drill, whose lockd
+    /// an operator may configure through them.
+    pub fn inherit_lockd_env(mut self) -> LockdSpec {
+        self.inherit_env = true;
+        self
+    }
+
     /// The `lockd` binary [`Lockd`] runs (default: `lockd` next to the running executable,
     /// `target/<profile>/lockd`).
     pub fn bin(mut self, path: impl Into<PathBuf>) -> LockdSpec {
@@ -206,13 +199,17 @@ impl LockdSpec {
     /// [--reconnect-window W] [--metrics ADDR] [--log-format F] EXTRA...`.
     ///
     /// Every `LOCKD_*` variable of the caller's environment is removed (the spec is the whole
-    /// configuration), then `LOCKD_LOG` is set if [`log_filter`](Self::log_filter) was given.
+    /// configuration) unless [`inherit_lockd_env`](Self::inherit_lockd_env), then `LOCKD_LOG`
+    /// is set if [`log_filter`](Self::log_filter) was given. The reconnect window is written
+    /// in whole milliseconds, or in nanoseconds when it is not a whole number of them.
     /// Stdio and the process group are left to the caller.
     pub fn command(&self, bin: &Path) -> Command {
         let mut c = Command::new(bin);
-        for (k, _) in std::env::vars_os() {
-            if k.to_string_lossy().starts_with("LOCKD_") {
-                c.env_remove(k);
+        if !self.inherit_env {
+            for (k, _) in std::env::vars_os() {
+                if k.to_string_lossy().starts_with("LOCKD_") {
+                    c.env_remove(k);
+                }
             }
         }
         if let Some(f) = self.log_format {
@@ -227,8 +224,12 @@ impl LockdSpec {
         }
         c.arg("--state").arg(&self.state);
         if let Some(w) = self.reconnect_window {
-            c.arg("--reconnect-window")
-                .arg(format!("{}ms", w.as_millis()));
+            let w = if w.subsec_nanos() % 1_000_000 == 0 {
+                format!("{}ms", w.as_millis())
+            } else {
+                format!("{}ns", w.as_nanos())
+            };
+            c.arg("--reconnect-window").arg(w);
         }
         if let Some(m) = &self.metrics {
             c.arg("--metrics").arg(m);
@@ -639,6 +640,18 @@ mod tests {
             .and_then(|(_, v)| v);
         assert_eq!(log, Some(std::ffi::OsStr::new("debug")));
         assert_eq!(spec.endpoint(), "unix:/d/lockd.sock");
+    }
+
+    #[test]
+    fn sub_millisecond_reconnect_windows_are_not_truncated() {
+        let c = LockdSpec::new("/d")
+            .reconnect_window(Duration::from_micros(2500))
+            .command(Path::new("/bin/lockd"));
+        let args: Vec<String> = c
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(args[args.len() - 2..], ["--reconnect-window", "2500000ns"]);
     }
 
     #[test]

@@ -351,6 +351,7 @@ fn host_namespace_detection_parses_the_link() {
 
 #[test]
 fn a_child_in_a_new_pid_namespace_is_not_in_the_host_namespace() {
+    const TEST: &str = "checks::a_child_in_a_new_pid_namespace_is_not_in_the_host_namespace";
     let _process = shared();
     // This process may or may not run in the host's namespace (a container does not); a
     // child in a namespace of its own certainly does not. Needs CAP_SYS_ADMIN.
@@ -375,10 +376,13 @@ fn a_child_in_a_new_pid_namespace_is_not_in_the_host_namespace() {
                 "unshare gave no new namespace"
             );
         }
-        Ok(o) => eprintln!(
-            "SKIP: unshare --pid failed (needs CAP_SYS_ADMIN): {}",
-            String::from_utf8_lossy(&o.stderr).trim()
+        Ok(o) => harness::skip(
+            TEST,
+            &format!(
+                "unshare --pid failed (needs CAP_SYS_ADMIN): {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            ),
         ),
-        Err(e) => eprintln!("SKIP: no unshare(1): {e}"),
+        Err(e) => harness::skip(TEST, &format!("no unshare(1): {e}")),
     }
 }

@@ -7,7 +7,6 @@ use std::ops::{Deref, DerefMut};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use gms_client::client::{ConnectOptions, GmsClient};
@@ -18,19 +17,8 @@ use nix::unistd::Pid;
 pub const GMSD: &str = env!("CARGO_BIN_EXE_gmsd");
 pub const GMSCTL: &str = env!("CARGO_BIN_EXE_gmsctl");
 
-static PROCESS: RwLock<()> = RwLock::new(());
-
-/// Exclusive use of the test process, for tests whose verdict depends on timing (they ran
-/// alone in their own binary before). Survives poisoning.
-pub fn serial() -> RwLockWriteGuard<'static, ()> {
-    PROCESS.write().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Shared use of the test process, for tests that start processes but do not measure time;
-/// they run in parallel with each other, never with a [`serial`] one.
-pub fn shared() -> RwLockReadGuard<'static, ()> {
-    PROCESS.read().unwrap_or_else(|e| e.into_inner())
-}
+/// The process guards: `serial()` (alone) and `shared()` (with other shared tests).
+pub use harness::serial::{serial, shared};
 
 /// A child in its own process group; the group is SIGKILLed on drop.
 pub struct Proc {

@@ -9,7 +9,6 @@ use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, killpg, Signal};
@@ -21,20 +20,8 @@ use harness::lockd::LockdSpec;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_lockd");
 
-static PROCESS: RwLock<()> = RwLock::new(());
-
-/// Exclusive use of the test process: for tests that measure time or CPU, and for tests that
-/// hold descriptors without FD_CLOEXEC (a process spawned by a concurrent test would inherit
-/// them). Survives poisoning (a failed test does not fail the others).
-pub fn serial() -> RwLockWriteGuard<'static, ()> {
-    PROCESS.write().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Shared use of the test process: for tests that start processes but neither measure time
-/// nor leak descriptors; they run in parallel with each other, never with a [`serial`] one.
-pub fn shared() -> RwLockReadGuard<'static, ()> {
-    PROCESS.read().unwrap_or_else(|e| e.into_inner())
-}
+/// The process guards: `serial()` (alone) and `shared()` (with other shared tests).
+pub use harness::serial::{serial, shared};
 
 /// Poll `f` every 10 ms until it returns Some, or panic after `limit`.
 pub fn wait_for<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {

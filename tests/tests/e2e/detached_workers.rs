@@ -14,7 +14,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn detached_workers_are_killed_before_the_lock_is_released() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let mut primary = c.start(
         &SupOpts::new(0, "primary")
             .sup(&["--stop-grace", "700ms", "--linger", "3s"])

@@ -13,7 +13,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn engine_sigkill_fails_over_after_the_old_tree_is_dead() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let mut primary = c.start(
         &SupOpts::new(0, "primary")
             .sup(&["--linger", "3s"])

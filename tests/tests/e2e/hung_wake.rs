@@ -13,7 +13,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn hung_wake_turns_live_503_and_fences() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let primary = c.start(&SupOpts::new(0, "primary"));
     assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
     let mut shadow = c.start(

@@ -22,7 +22,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn the_anchor_holds_the_reconnected_lock_until_the_whole_tree_is_dead() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let mut primary = c.start(
         &SupOpts::new(0, "primary")
             .sup(&["--lock-reconnect-timeout", "8s"])

@@ -12,7 +12,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn revoke_fences_the_holder_and_the_shadow_takes_over() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let mut primary = c.start(
         &SupOpts::new(0, "primary")
             .sup(&["--linger", "3s"])

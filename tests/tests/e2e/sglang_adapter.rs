@@ -12,7 +12,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn sglang_shadow_sleeps_and_takes_over() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let primary = c.start(&SupOpts::new(0, "primary").adapter("sglang"));
     assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
     let shadow = c.start(&SupOpts::new(1, "shadow").adapter("sglang"));

@@ -18,7 +18,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn spawned_workers_without_lock_fds_keep_the_lock_through_process_anchors() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let mut primary = c.start(
         &SupOpts::new(0, "primary")
             .sup(&["--lock-reconnect-timeout", "8s"])

@@ -13,7 +13,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn supervisor_sigkill_kills_engine_and_shadow_waits_for_it() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let mut primary = c.start(&SupOpts::new(0, "primary").engine(&["--workers", "2"]));
     assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
     let shadow = c.start(&SupOpts::new(1, "shadow").engine(&["--workers", "2"]));
