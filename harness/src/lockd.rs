@@ -13,16 +13,15 @@
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use ::lockd::proto::{decode_event, encode_request, Event, Request, StatusReport};
-use nix::sys::signal::{kill, killpg, Signal};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 
 use crate::bins::{bin, HarnessError};
+use crate::proc::Proc;
 
 /// Why a lockd could not be started or asked something.
 #[derive(Debug, thiserror::Error)]
@@ -325,8 +324,8 @@ pub struct Lockd {
     spec: LockdSpec,
     bin: PathBuf,
     log: PathBuf,
-    child: Option<Child>,
-    exited: Option<ExitStatus>,
+    /// The running (or exited, not yet restarted) `lockd serve`.
+    proc: Option<Proc>,
     /// Length of the log when the current process started.
     log_start: u64,
     _tmp: Option<tempfile::TempDir>,
@@ -360,8 +359,7 @@ impl Lockd {
             log: spec.dir.join("lockd.log"),
             spec,
             bin,
-            child: None,
-            exited: None,
+            proc: None,
             log_start: 0,
             _tmp: None,
         };
@@ -401,19 +399,16 @@ impl Lockd {
     pub fn try_restart(&mut self) -> Result<(), LockdError> {
         self.kill();
         self.log_start = std::fs::metadata(&self.log).map(|m| m.len()).unwrap_or(0);
-        let mut c = self.command();
-        c.process_group(0);
-        self.child = Some(c.spawn()?);
-        self.exited = None;
+        let proc = Proc::try_spawn_appending("lockd", self.command(), self.log.clone())?;
+        let proc = self.proc.insert(proc);
         let socket = self.spec.socket.clone();
         let log = self.log.clone();
-        let child = self.child.as_mut().expect("just spawned");
-        wait_ready_or(&socket, READY_TIMEOUT, || match child.try_wait() {
-            Ok(Some(status)) => Some(LockdError::Exited {
-                status,
-                log: std::fs::read_to_string(&log).unwrap_or_default(),
-            }),
-            _ => None,
+        wait_ready_or(&socket, READY_TIMEOUT, || {
+            proc.wait_exit(Duration::ZERO)
+                .map(|status| LockdError::Exited {
+                    status,
+                    log: std::fs::read_to_string(&log).unwrap_or_default(),
+                })
         })
         .map(|_| ())
         .map_err(|e| match e {
@@ -427,56 +422,33 @@ impl Lockd {
 
     /// SIGKILLs lockd's process group and reaps it (no-op when not running).
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            if self.exited.is_none() {
-                let pid = Pid::from_raw(c.id() as i32);
-                let _ = killpg(pid, Signal::SIGKILL);
-                let _ = kill(pid, Signal::SIGKILL);
-                let _ = c.wait();
-            }
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
         }
-        self.exited = None;
     }
 
     /// Sends `sig` to the lockd process (not its group); false if it is not running.
     pub fn signal(&self, sig: Signal) -> bool {
-        match (&self.child, self.exited) {
-            (Some(c), None) => kill(Pid::from_raw(c.id() as i32), sig).is_ok(),
-            _ => false,
-        }
+        self.proc.as_ref().is_some_and(|p| p.signal(sig))
     }
 
     /// Waits up to `timeout` for lockd to exit; its status once it has (kept: later calls
     /// return it again), `None` on timeout or when never started.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        if self.exited.is_some() {
-            return self.exited;
-        }
-        let child = self.child.as_mut()?;
-        let end = Instant::now() + timeout;
-        loop {
-            if let Ok(Some(st)) = child.try_wait() {
-                self.exited = Some(st);
-                return self.exited;
-            }
-            if Instant::now() >= end {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        self.proc.as_mut()?.wait_exit(timeout)
     }
 
     /// Is the lockd process running (started, not exited)?
     pub fn is_running(&mut self) -> bool {
-        self.wait_exit(Duration::ZERO).is_none() && self.child.is_some()
+        self.proc.as_mut().is_some_and(|p| !p.exited())
     }
 
     /// Pid (also the process group id) of the running lockd.
     pub fn pid(&self) -> Option<i32> {
-        match (&self.child, self.exited) {
-            (Some(c), None) => Some(c.id() as i32),
-            _ => None,
-        }
+        self.proc
+            .as_ref()
+            .filter(|p| p.exit_status().is_none())
+            .map(Proc::pid)
     }
 
     /// The spec it runs.
