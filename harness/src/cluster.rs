@@ -8,6 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
+use probes::Phase;
 
 use crate::bins::must_bin;
 use crate::lockd::{Lockd, LockdSpec};
@@ -113,6 +114,30 @@ impl Cluster {
             pid_file,
             engine_id: o.engine_id,
         }
+    }
+
+    /// Starts a supervisor with `primary` and waits until it is Active, then one with `shadow`
+    /// and waits until it is Standby, each bounded by `limit`; panics with every log
+    /// otherwise.
+    pub fn start_pair(
+        &mut self,
+        primary: &SupOpts,
+        shadow: &SupOpts,
+        limit: Duration,
+    ) -> (Sup, Sup) {
+        let p = self.start(primary);
+        assert!(
+            p.wait_phase(Phase::Active, limit),
+            "primary not Active{}",
+            self.dump_logs()
+        );
+        let s = self.start(shadow);
+        assert!(
+            s.wait_phase(Phase::Standby, limit),
+            "shadow not Standby{}",
+            self.dump_logs()
+        );
+        (p, s)
     }
 
     /// Every engine pid (from all pid files) still alive and still one of this cluster's

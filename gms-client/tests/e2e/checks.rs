@@ -115,22 +115,7 @@ async fn before_wake_read_lock_is_bounded_by_the_handshake_timeout() {
             .unwrap();
         checks.at_standby().await.unwrap();
         // A reader holds it and a writer waits: new readers are not admitted.
-        let mut r = client(&sock).await;
-        r.handshake(RequestedLockType::Ro, Some(Duration::from_secs(5)))
-            .await
-            .unwrap();
-        let mut w = client(&sock).await;
-        let _w = tokio::spawn(async move {
-            let _ = w
-                .handshake(RequestedLockType::Rw, Some(Duration::from_secs(30)))
-                .await;
-            w
-        });
-        let end = Instant::now() + Duration::from_secs(10);
-        while r.lock_state().await.unwrap().waiting_writers != 1 {
-            assert!(Instant::now() < end);
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let (_r, _w) = reader_and_waiting_writer(&sock).await;
         let t0 = Instant::now();
         let err = checks.before_wake().await.unwrap_err();
         assert!(matches!(err, CheckError::GmsLockTimeout { .. }), "{err}");

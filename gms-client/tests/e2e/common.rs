@@ -10,6 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gms_client::client::{ConnectOptions, GmsClient};
+use gms_client::protocol::RequestedLockType;
 use harness::gmsd::GmsdSpec;
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
@@ -122,6 +123,43 @@ pub fn opts() -> ConnectOptions {
 
 pub async fn client(socket: &Path) -> GmsClient {
     GmsClient::connect(socket, opts()).await.expect("connect")
+}
+
+/// A client holding the read lock: connected to `socket`, RO handshake (5 s) asserted to
+/// succeed.
+pub async fn reader(socket: &Path) -> GmsClient {
+    let mut r = client(socket).await;
+    let hs = r
+        .handshake(RequestedLockType::Ro, Some(Duration::from_secs(5)))
+        .await
+        .expect("RO handshake");
+    assert!(hs.success, "RO handshake refused: {hs:?}");
+    r
+}
+
+/// A [`reader`] holding the read lock and a writer (RW handshake, 30 s) queued behind it:
+/// returns once the server counts the waiting writer (bounded, 10 s), with the reader and
+/// the writer's task (which yields the writer's client).
+pub async fn reader_and_waiting_writer(
+    socket: &Path,
+) -> (GmsClient, tokio::task::JoinHandle<GmsClient>) {
+    let mut r = reader(socket).await;
+    let mut w = client(socket).await;
+    let writer = tokio::spawn(async move {
+        let _ = w
+            .handshake(RequestedLockType::Rw, Some(Duration::from_secs(30)))
+            .await;
+        w
+    });
+    let end = Instant::now() + Duration::from_secs(10);
+    while r.lock_state().await.unwrap().waiting_writers != 1 {
+        assert!(
+            Instant::now() < end,
+            "the writer was never counted as waiting"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    (r, writer)
 }
 
 /// Runs gmsctl with args; returns (exit code, stdout, stderr). Bounded by 60 s.

@@ -484,14 +484,8 @@ pub fn scrape(port: u16) -> Metrics {
     Metrics::parse(&r.body)
 }
 
-/// A loopback port free at the time of the call.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+/// A loopback port free at the time of the call (the harness's).
+pub use harness::free_port;
 
 #[test]
 fn metrics_parser_reads_both_exposition_formats() {

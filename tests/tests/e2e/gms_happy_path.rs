@@ -19,14 +19,13 @@ fn failover_with_gms_checks_succeeds() {
     let sock = gms.socket().to_string_lossy().into_owned();
     let gms_flags = ["--gms", sock.as_str(), "--gms-handshake-timeout", "2s"];
 
-    let primary = c.start(
+    let (primary, shadow) = c.start_pair(
         &SupOpts::new(0, "primary")
             .sup(&gms_flags)
             .sup(&["--linger", "3s"]),
+        &SupOpts::new(1, "shadow").sup(&gms_flags),
+        T,
     );
-    assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
-    let shadow = c.start(&SupOpts::new(1, "shadow").sup(&gms_flags));
-    assert!(shadow.wait_phase(Phase::Standby, T), "{}", c.dump_logs());
     assert!(
         wait_until(T, Duration::from_millis(20), || shadow
             .log_text()

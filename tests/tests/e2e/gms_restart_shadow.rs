@@ -30,18 +30,15 @@ fn shadow_fails_fast_when_gms_restarted_empty_and_lock_passes_on() {
         hs.as_str(),
     ];
 
-    let primary = c.start(
+    let (primary, mut shadow) = c.start_pair(
         &SupOpts::new(0, "primary")
             .sup(&gms_flags)
             .sup(&["--linger", "3s"]),
-    );
-    assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
-    let mut shadow = c.start(
         &SupOpts::new(1, "shadow")
             .sup(&gms_flags)
             .sup(&["--linger", "3s"]),
+        T,
     );
-    assert!(shadow.wait_phase(Phase::Standby, T), "{}", c.dump_logs());
     // The shadow remembered the committed layout at Standby.
     assert!(
         wait_until(T, Duration::from_millis(20), || shadow
