@@ -82,7 +82,7 @@ fn engine_with_a_detached_grandchild(then: &str) -> Engine {
         argv: vec![
             "sh".into(),
             "-c".into(),
-            format!("setsid sh -c 'trap \"\" TERM; while :; do sleep 0.05; done' & {then}"),
+            format!("setsid sh -c 'trap \"\" TERM; while :; do sleep 0.05; done' & {then}").into(),
         ],
         env: vec![],
         pid_namespace: false,
