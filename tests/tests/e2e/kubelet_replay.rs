@@ -227,38 +227,7 @@ fn load_rendered() -> Rendered {
 // Tests that need no process: the arithmetic over the rendered settings
 // ---------------------------------------------------------------------------------------------
 
-#[test]
-fn result_run_counts_like_kubelet() {
-    let spec = ProbeSpec {
-        period: Duration::from_secs(1),
-        timeout: Duration::from_secs(1),
-        failure_threshold: 3,
-        success_threshold: 2,
-        initial_delay: Duration::ZERO,
-    };
-    let mut r = ResultRun::new(spec);
-    assert_eq!(r.observe(false), None);
-    assert_eq!(r.observe(false), None);
-    assert_eq!(r.observe(true), None, "a success breaks the failure run");
-    assert_eq!(r.observe(false), None);
-    assert_eq!(r.observe(false), None);
-    assert_eq!(
-        r.observe(false),
-        Some(Verdict::Failure),
-        "third failure in a row"
-    );
-    assert_eq!(
-        r.failures_in_a_row(),
-        0,
-        "run restarts after a kill verdict"
-    );
-    assert_eq!(r.observe(true), None);
-    assert_eq!(
-        r.observe(true),
-        Some(Verdict::Success),
-        "successThreshold 2"
-    );
-}
+// kubelet's result-run counting itself is tested once, in `harness::kubelet`.
 
 #[test]
 fn two_hour_load_fits_the_startup_budget_exactly() {
