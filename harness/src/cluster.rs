@@ -8,9 +8,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
+use probes::Phase;
 
 use crate::bins::must_bin;
-use crate::lockd_compat::Lockd;
+use crate::lockd::{Lockd, LockdSpec};
 use crate::net::free_addr;
 use crate::proc::{kill, Proc};
 use crate::supervisor::{read_pid_file, Sup, SupOpts};
@@ -32,13 +33,14 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// New world with a lockd using `reconnect_window`.
-    pub fn new(reconnect_window: &str) -> Cluster {
+    /// New world with a lockd (socket, state and log `lockd.log` in the temp dir) using
+    /// `reconnect_window`.
+    pub fn new(reconnect_window: Duration) -> Cluster {
         let dir = tempfile::Builder::new()
             .prefix("failover-test-")
             .tempdir()
             .expect("tempdir");
-        let lockd = Lockd::start(dir.path(), reconnect_window);
+        let lockd = Lockd::start(LockdSpec::new(dir.path()).reconnect_window(reconnect_window));
         let claim = dir.path().join("gpu.claim");
         Cluster {
             dir,
@@ -75,7 +77,7 @@ impl Cluster {
         cmd.arg("run")
             .args(["--engine-id", &o.engine_id.to_string()])
             .args(["--role", o.role])
-            .args(["--lock", &self.lockd.endpoint])
+            .args(["--lock", &self.lockd.endpoint()])
             .args(["--probes", &probes.to_string()])
             .args(["--adapter", o.adapter])
             .args(["--engine-url", &format!("http://{engine}")])
@@ -112,6 +114,30 @@ impl Cluster {
             pid_file,
             engine_id: o.engine_id,
         }
+    }
+
+    /// Starts a supervisor with `primary` and waits until it is Active, then one with `shadow`
+    /// and waits until it is Standby, each bounded by `limit`; panics with every log
+    /// otherwise.
+    pub fn start_pair(
+        &mut self,
+        primary: &SupOpts,
+        shadow: &SupOpts,
+        limit: Duration,
+    ) -> (Sup, Sup) {
+        let p = self.start(primary);
+        assert!(
+            p.wait_phase(Phase::Active, limit),
+            "primary not Active{}",
+            self.dump_logs()
+        );
+        let s = self.start(shadow);
+        assert!(
+            s.wait_phase(Phase::Standby, limit),
+            "shadow not Standby{}",
+            self.dump_logs()
+        );
+        (p, s)
     }
 
     /// Every engine pid (from all pid files) still alive and still one of this cluster's

@@ -9,22 +9,21 @@
 
 use std::ffi::OsString;
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, killpg, Signal};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 
-use crate::lockd::{bin, LockdError};
+use crate::bins::{bin, HarnessError};
+use crate::proc::Proc;
 
 /// Why a gmsd could not be started.
 #[derive(Debug, thiserror::Error)]
 pub enum GmsdError {
-    /// A workspace binary is missing from the target dir.
-    #[error("binary {0} not found: build the workspace binaries first (`cargo build --workspace --bins`)")]
-    MissingBinary(PathBuf),
+    /// A workspace binary is missing from the target dir ([`crate::bins::bin`]).
+    #[error(transparent)]
+    Bin(#[from] HarnessError),
     /// gmsd exited while we waited for its socket.
     #[error("gmsd exited at start ({status}); log:\n{log}")]
     Exited {
@@ -44,14 +43,6 @@ pub enum GmsdError {
     /// I/O failure (spawn).
     #[error(transparent)]
     Io(#[from] std::io::Error),
-}
-
-fn find_bin(name: &str) -> Result<PathBuf, GmsdError> {
-    bin(name).map_err(|e| match e {
-        LockdError::MissingBinary(p) => GmsdError::MissingBinary(p),
-        LockdError::Io(e) => GmsdError::Io(e),
-        other => GmsdError::Io(std::io::Error::other(other.to_string())),
-    })
 }
 
 /// What `gmsd` to start.
@@ -167,8 +158,8 @@ pub struct Gmsd {
     spec: GmsdSpec,
     bin: PathBuf,
     log: PathBuf,
-    child: Option<Child>,
-    exited: Option<ExitStatus>,
+    /// The running (or exited, not yet restarted) gmsd.
+    proc: Option<Proc>,
 }
 
 impl Gmsd {
@@ -182,14 +173,13 @@ impl Gmsd {
     pub fn try_start(spec: GmsdSpec) -> Result<Gmsd, GmsdError> {
         let bin = match &spec.bin {
             Some(b) => b.clone(),
-            None => find_bin("gmsd")?,
+            None => bin("gmsd")?,
         };
         let mut g = Gmsd {
             log: spec.socket.with_extension("log"),
             spec,
             bin,
-            child: None,
-            exited: None,
+            proc: None,
         };
         g.try_restart()?;
         Ok(g)
@@ -206,78 +196,43 @@ impl Gmsd {
     /// [`restart`](Self::restart) returning the error.
     pub fn try_restart(&mut self) -> Result<(), GmsdError> {
         self.kill();
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)?;
-        let mut c = self.spec.command(&self.bin);
-        c.stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .process_group(0);
-        self.child = Some(c.spawn()?);
-        self.exited = None;
-        let socket = self.spec.socket.clone();
-        let log_path = self.log.clone();
-        let child = self.child.as_mut().expect("just spawned");
-        wait_ready_or(&socket, Duration::from_secs(10), || {
-            match child.try_wait() {
-                Ok(Some(status)) => Some(GmsdError::Exited {
+        let c = self.spec.command(&self.bin);
+        let proc = Proc::try_spawn_appending("gmsd", c, self.log.clone())?;
+        let proc = self.proc.insert(proc);
+        let log = self.log.clone();
+        wait_ready_or(&self.spec.socket, Duration::from_secs(10), || {
+            proc.wait_exit(Duration::ZERO)
+                .map(|status| GmsdError::Exited {
                     status,
-                    log: std::fs::read_to_string(&log_path).unwrap_or_default(),
-                }),
-                _ => None,
-            }
+                    log: std::fs::read_to_string(&log).unwrap_or_default(),
+                })
         })
     }
 
     /// SIGKILLs gmsd's process group and reaps it (its socket file is left behind, as after a
     /// crash).
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            if self.exited.is_none() {
-                let pid = Pid::from_raw(c.id() as i32);
-                let _ = killpg(pid, Signal::SIGKILL);
-                let _ = kill(pid, Signal::SIGKILL);
-                let _ = c.wait();
-            }
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
         }
-        self.exited = None;
     }
 
     /// Sends `sig` to gmsd (not its group); false if it is not running.
     pub fn signal(&self, sig: Signal) -> bool {
-        match (&self.child, self.exited) {
-            (Some(c), None) => kill(Pid::from_raw(c.id() as i32), sig).is_ok(),
-            _ => false,
-        }
+        self.proc.as_ref().is_some_and(|p| p.signal(sig))
     }
 
     /// Waits up to `timeout` for gmsd to exit; its status once it has.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        if self.exited.is_some() {
-            return self.exited;
-        }
-        let child = self.child.as_mut()?;
-        let end = Instant::now() + timeout;
-        loop {
-            if let Ok(Some(st)) = child.try_wait() {
-                self.exited = Some(st);
-                return self.exited;
-            }
-            if Instant::now() >= end {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        self.proc.as_mut()?.wait_exit(timeout)
     }
 
     /// Pid (also the process group id) of the running gmsd.
     pub fn pid(&self) -> Option<i32> {
-        match (&self.child, self.exited) {
-            (Some(c), None) => Some(c.id() as i32),
-            _ => None,
-        }
+        self.proc
+            .as_ref()
+            .filter(|p| p.exit_status().is_none())
+            .map(Proc::pid)
     }
 
     /// Its socket.

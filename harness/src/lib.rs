@@ -4,10 +4,11 @@
 //! * [`proc`]: a child process in its own process group, killed on drop, with a log file,
 //! * [`supervisor`]: one `supervisor run` + fake engine ([`SupOpts`], [`Sup`]),
 //! * [`cluster`]: one test's world (temp dir, lockd, supervisors; [`Cluster`]),
-//! * [`lockd`], [`gmsd`]: THE `lockd serve` / `gmsd` launchers (spec -> `Command`, readiness,
-//!   a sync owner); [`lockd_compat`], [`gmsd_compat`]: the end-to-end tests' older API,
-//! * [`kubelet`]: a pure model of kubelet's prober worker,
-//! * [`mod@serial`]: one process-starting test at a time in a test binary,
+//! * [`lockd`], [`gmsd`]: THE `lockd serve` / `gmsd` launchers (spec -> `Command` for sync
+//!   and async callers such as the drill, readiness, a sync owner [`Lockd`] / [`Gmsd`]),
+//! * [`kubelet`]: a pure model of kubelet's prober worker (the kubelet replay and the drill),
+//! * [`mod@serial`]: the process guards of a test binary: [`serial()`] (alone) and
+//!   [`shared()`] (beside other shared tests),
 //! * [`mod@skip`]: recorded skips (`FAILOVER_SKIP_LOG`),
 //! * [`wait`]: bounded polling, [`net`]: free loopback ports, [`clock`]: wall-clock µs,
 //! * [`stats`]: the one percentile definition (nearest rank) every report uses,
@@ -19,11 +20,9 @@ pub mod bins;
 pub mod clock;
 pub mod cluster;
 pub mod gmsd;
-pub mod gmsd_compat;
 pub mod http;
 pub mod kubelet;
 pub mod lockd;
-pub mod lockd_compat;
 pub mod net;
 pub mod proc;
 pub mod serial;
@@ -35,11 +34,11 @@ pub mod wait;
 pub use bins::{bin, must_bin, HarnessError};
 pub use clock::unix_us;
 pub use cluster::Cluster;
-pub use gmsd_compat::Gmsd;
-pub use lockd_compat::Lockd;
+pub use gmsd::{Gmsd, GmsdSpec};
+pub use lockd::{Lockd, LockdSpec};
 pub use net::{free_addr, free_port};
 pub use proc::{kill, Proc};
-pub use serial::serial;
+pub use serial::{serial, shared};
 pub use skip::{skip, SKIP_LOG_ENV};
 pub use supervisor::{Sup, SupOpts};
 pub use wait::{holds_for, wait_until};

@@ -13,21 +13,22 @@
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use ::lockd::proto::{decode_event, encode_request, Event, Request, StatusReport};
-use nix::sys::signal::{kill, killpg, Signal};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
+
+use crate::bins::{bin, HarnessError};
+use crate::proc::Proc;
 
 /// Why a lockd could not be started or asked something.
 #[derive(Debug, thiserror::Error)]
 pub enum LockdError {
-    /// A workspace binary is missing from the target dir.
-    #[error("binary {0} not found: build the workspace binaries first (`cargo build --workspace --bins`; `cargo test --workspace` builds them too)")]
-    MissingBinary(PathBuf),
+    /// A workspace binary is missing from the target dir ([`crate::bins::bin`]).
+    #[error(transparent)]
+    Bin(#[from] HarnessError),
     /// lockd exited while we waited for it to answer.
     #[error("lockd exited at start ({status}); log:\n{log}")]
     Exited {
@@ -54,25 +55,6 @@ pub enum LockdError {
     Io(#[from] std::io::Error),
 }
 
-/// Path of a workspace binary, `target/<profile>/<name>`, located from the running executable
-/// (`target/<profile>/deps/<test>-<hash>` for tests and benches, `target/<profile>/<bin>` for
-/// binaries).
-///
-/// Crate-private for now: the coordinator dedupes it with the harness' bins module.
-pub(crate) fn bin(name: &str) -> Result<PathBuf, LockdError> {
-    let exe = std::env::current_exe()?;
-    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
-    let p = dir.join(name);
-    if p.is_file() {
-        Ok(p)
-    } else {
-        Err(LockdError::MissingBinary(p))
-    }
-}
-
 /// `--log-format` of `lockd serve`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogFormat {
@@ -96,6 +78,7 @@ pub struct LockdSpec {
     log_filter: Option<String>,
     extra: Vec<OsString>,
     bin: Option<PathBuf>,
+    inherit_env: bool,
 }
 
 impl LockdSpec {
@@ -113,6 +96,7 @@ impl LockdSpec {
             log_filter: None,
             extra: Vec::new(),
             bin: None,
+            inherit_env: false,
         }
     }
 
@@ -175,6 +159,14 @@ impl LockdSpec {
         self
     }
 
+    /// Keep the caller's `LOCKD_*` environment variables in [`command`](Self::command)
+    /// (default: removed, the spec is the whole configuration). For the drill, whose lockd
+    /// an operator may configure through them.
+    pub fn inherit_lockd_env(mut self) -> LockdSpec {
+        self.inherit_env = true;
+        self
+    }
+
     /// The `lockd` binary [`Lockd`] runs (default: `lockd` next to the running executable,
     /// `target/<profile>/lockd`).
     pub fn bin(mut self, path: impl Into<PathBuf>) -> LockdSpec {
@@ -206,13 +198,17 @@ impl LockdSpec {
     /// [--reconnect-window W] [--metrics ADDR] [--log-format F] EXTRA...`.
     ///
     /// Every `LOCKD_*` variable of the caller's environment is removed (the spec is the whole
-    /// configuration), then `LOCKD_LOG` is set if [`log_filter`](Self::log_filter) was given.
+    /// configuration) unless [`inherit_lockd_env`](Self::inherit_lockd_env), then `LOCKD_LOG`
+    /// is set if [`log_filter`](Self::log_filter) was given. The reconnect window is written
+    /// in whole milliseconds, or in nanoseconds when it is not a whole number of them.
     /// Stdio and the process group are left to the caller.
     pub fn command(&self, bin: &Path) -> Command {
         let mut c = Command::new(bin);
-        for (k, _) in std::env::vars_os() {
-            if k.to_string_lossy().starts_with("LOCKD_") {
-                c.env_remove(k);
+        if !self.inherit_env {
+            for (k, _) in std::env::vars_os() {
+                if k.to_string_lossy().starts_with("LOCKD_") {
+                    c.env_remove(k);
+                }
             }
         }
         if let Some(f) = self.log_format {
@@ -227,8 +223,12 @@ impl LockdSpec {
         }
         c.arg("--state").arg(&self.state);
         if let Some(w) = self.reconnect_window {
-            c.arg("--reconnect-window")
-                .arg(format!("{}ms", w.as_millis()));
+            let w = if w.subsec_nanos() % 1_000_000 == 0 {
+                format!("{}ms", w.as_millis())
+            } else {
+                format!("{}ns", w.as_nanos())
+            };
+            c.arg("--reconnect-window").arg(w);
         }
         if let Some(m) = &self.metrics {
             c.arg("--metrics").arg(m);
@@ -324,8 +324,8 @@ pub struct Lockd {
     spec: LockdSpec,
     bin: PathBuf,
     log: PathBuf,
-    child: Option<Child>,
-    exited: Option<ExitStatus>,
+    /// The running (or exited, not yet restarted) `lockd serve`.
+    proc: Option<Proc>,
     /// Length of the log when the current process started.
     log_start: u64,
     _tmp: Option<tempfile::TempDir>,
@@ -359,8 +359,7 @@ impl Lockd {
             log: spec.dir.join("lockd.log"),
             spec,
             bin,
-            child: None,
-            exited: None,
+            proc: None,
             log_start: 0,
             _tmp: None,
         };
@@ -400,19 +399,16 @@ impl Lockd {
     pub fn try_restart(&mut self) -> Result<(), LockdError> {
         self.kill();
         self.log_start = std::fs::metadata(&self.log).map(|m| m.len()).unwrap_or(0);
-        let mut c = self.command();
-        c.process_group(0);
-        self.child = Some(c.spawn()?);
-        self.exited = None;
+        let proc = Proc::try_spawn_appending("lockd", self.command(), self.log.clone())?;
+        let proc = self.proc.insert(proc);
         let socket = self.spec.socket.clone();
         let log = self.log.clone();
-        let child = self.child.as_mut().expect("just spawned");
-        wait_ready_or(&socket, READY_TIMEOUT, || match child.try_wait() {
-            Ok(Some(status)) => Some(LockdError::Exited {
-                status,
-                log: std::fs::read_to_string(&log).unwrap_or_default(),
-            }),
-            _ => None,
+        wait_ready_or(&socket, READY_TIMEOUT, || {
+            proc.wait_exit(Duration::ZERO)
+                .map(|status| LockdError::Exited {
+                    status,
+                    log: std::fs::read_to_string(&log).unwrap_or_default(),
+                })
         })
         .map(|_| ())
         .map_err(|e| match e {
@@ -426,56 +422,33 @@ impl Lockd {
 
     /// SIGKILLs lockd's process group and reaps it (no-op when not running).
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            if self.exited.is_none() {
-                let pid = Pid::from_raw(c.id() as i32);
-                let _ = killpg(pid, Signal::SIGKILL);
-                let _ = kill(pid, Signal::SIGKILL);
-                let _ = c.wait();
-            }
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
         }
-        self.exited = None;
     }
 
     /// Sends `sig` to the lockd process (not its group); false if it is not running.
     pub fn signal(&self, sig: Signal) -> bool {
-        match (&self.child, self.exited) {
-            (Some(c), None) => kill(Pid::from_raw(c.id() as i32), sig).is_ok(),
-            _ => false,
-        }
+        self.proc.as_ref().is_some_and(|p| p.signal(sig))
     }
 
     /// Waits up to `timeout` for lockd to exit; its status once it has (kept: later calls
     /// return it again), `None` on timeout or when never started.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        if self.exited.is_some() {
-            return self.exited;
-        }
-        let child = self.child.as_mut()?;
-        let end = Instant::now() + timeout;
-        loop {
-            if let Ok(Some(st)) = child.try_wait() {
-                self.exited = Some(st);
-                return self.exited;
-            }
-            if Instant::now() >= end {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        self.proc.as_mut()?.wait_exit(timeout)
     }
 
     /// Is the lockd process running (started, not exited)?
     pub fn is_running(&mut self) -> bool {
-        self.wait_exit(Duration::ZERO).is_none() && self.child.is_some()
+        self.proc.as_mut().is_some_and(|p| !p.exited())
     }
 
     /// Pid (also the process group id) of the running lockd.
     pub fn pid(&self) -> Option<i32> {
-        match (&self.child, self.exited) {
-            (Some(c), None) => Some(c.id() as i32),
-            _ => None,
-        }
+        self.proc
+            .as_ref()
+            .filter(|p| p.exit_status().is_none())
+            .map(Proc::pid)
     }
 
     /// The spec it runs.
@@ -639,6 +612,18 @@ mod tests {
             .and_then(|(_, v)| v);
         assert_eq!(log, Some(std::ffi::OsStr::new("debug")));
         assert_eq!(spec.endpoint(), "unix:/d/lockd.sock");
+    }
+
+    #[test]
+    fn sub_millisecond_reconnect_windows_are_not_truncated() {
+        let c = LockdSpec::new("/d")
+            .reconnect_window(Duration::from_micros(2500))
+            .command(Path::new("/bin/lockd"));
+        let args: Vec<String> = c
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(args[args.len() - 2..], ["--reconnect-window", "2500000ns"]);
     }
 
     #[test]

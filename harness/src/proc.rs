@@ -24,23 +24,37 @@ pub struct Proc {
 }
 
 impl Proc {
-    /// Spawn `cmd` in a new process group, logging to `log`; panics if it cannot start.
-    pub fn spawn(name: &str, mut cmd: Command, log: PathBuf) -> Proc {
-        let f = std::fs::File::create(&log).expect("create log file");
-        let f2 = f.try_clone().expect("dup log file");
+    /// Spawn `cmd` in a new process group, logging to `log` (created anew); panics if it
+    /// cannot start.
+    pub fn spawn(name: &str, cmd: Command, log: PathBuf) -> Proc {
+        Proc::start(name, cmd, log, false).unwrap_or_else(|e| panic!("cannot spawn {name}: {e}"))
+    }
+
+    /// Spawn `cmd` in a new process group, appending to `log` (a daemon's log kept across
+    /// its restarts); the error if the log cannot be opened or the process cannot start.
+    pub fn try_spawn_appending(name: &str, cmd: Command, log: PathBuf) -> std::io::Result<Proc> {
+        Proc::start(name, cmd, log, true)
+    }
+
+    fn start(name: &str, mut cmd: Command, log: PathBuf, append: bool) -> std::io::Result<Proc> {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(&log)?;
+        let f2 = f.try_clone()?;
         cmd.stdin(Stdio::null())
             .stdout(Stdio::from(f))
             .stderr(Stdio::from(f2))
             .process_group(0);
-        let child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot spawn {name}: {e}"));
-        Proc {
+        let child = cmd.spawn()?;
+        Ok(Proc {
             name: name.to_string(),
             child,
             log,
             status: None,
-        }
+        })
     }
 
     /// Pid (also the process group id).
@@ -74,6 +88,12 @@ impl Proc {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// Its exit status if it has been collected (by [`wait_exit`](Self::wait_exit),
+    /// [`exited`](Self::exited) or [`kill`](Self::kill)); does not poll.
+    pub fn exit_status(&self) -> Option<ExitStatus> {
+        self.status
     }
 
     /// Has it exited (non-blocking)?

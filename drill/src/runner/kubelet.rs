@@ -2,24 +2,28 @@
 //! a probe every period, SIGTERM then SIGKILL after the grace period), container teardown,
 //! and the restart of a dead side as a shadow.
 //!
-//! [`Prober`] is pure (the counting kubelet's prober worker does); [`Drill::kubelet`] does the
-//! I/O. Kept apart so that the counting can move to a shared kubelet prober
-//! (`harness::kubelet`) later.
+//! [`Prober`] is pure: the counting is the workspace's one model of kubelet's prober worker,
+//! [`harness::kubelet::ResultRun`]; [`Prober`] adds the drill's clock (next probe, SIGTERM
+//! time). [`Drill::kubelet`] does the I/O.
 
 use std::time::{Duration, Instant};
 
+use harness::kubelet::{ProbeSpec, ResultRun, Verdict};
 use nix::sys::signal::Signal;
 use probes::Phase;
 
 use super::{Drill, Stage, HTTP_TIMEOUT};
 use crate::observe;
 use crate::procs;
+use crate::DrillArgs;
 
 /// The liveness prober of one container life.
 #[derive(Debug, Clone)]
 pub(super) struct Prober {
-    /// Consecutive failures.
-    failures: u32,
+    /// Probe period and failure threshold.
+    spec: ProbeSpec,
+    /// kubelet's result run (consecutive equal results against the thresholds).
+    run: ResultRun,
     /// Next probe.
     next: Instant,
     /// When the threshold was reached (SIGTERM sent); no more probes after it.
@@ -27,11 +31,12 @@ pub(super) struct Prober {
 }
 
 impl Prober {
-    /// A prober whose first probe is one `period` after `now`.
-    pub(super) fn new(now: Instant, period: Duration) -> Prober {
+    /// A prober whose first probe is one `spec.period` after `now`.
+    pub(super) fn new(now: Instant, spec: ProbeSpec) -> Prober {
         Prober {
-            failures: 0,
-            next: now + period,
+            spec,
+            run: ResultRun::new(spec),
+            next: now + spec.period,
             term_sent: None,
         }
     }
@@ -41,18 +46,11 @@ impl Prober {
         self.term_sent.is_none() && now >= self.next
     }
 
-    /// Records one probe result at `now`; true when this one reached `threshold` consecutive
-    /// failures (the container is to be stopped: SIGTERM).
-    pub(super) fn record(
-        &mut self,
-        ok: bool,
-        now: Instant,
-        period: Duration,
-        threshold: u32,
-    ) -> bool {
-        self.next = now + period;
-        self.failures = if ok { 0 } else { self.failures + 1 };
-        if self.failures >= threshold && self.term_sent.is_none() {
+    /// Records one probe result at `now`; true when this one reached the failure threshold
+    /// (the container is to be stopped: SIGTERM).
+    pub(super) fn record(&mut self, ok: bool, now: Instant) -> bool {
+        self.next = now + self.spec.period;
+        if self.run.observe(ok) == Some(Verdict::Failure) && self.term_sent.is_none() {
             self.term_sent = Some(now);
             return true;
         }
@@ -63,6 +61,18 @@ impl Prober {
     pub(super) fn grace_over(&self, now: Instant, grace: Duration) -> bool {
         self.term_sent
             .is_some_and(|t| now.saturating_duration_since(t) > grace)
+    }
+}
+
+/// The liveness probe of every side: a probe every `--liveness-period`,
+/// `--liveness-failures` consecutive failures stop the container (0 counts as kubelet's
+/// minimum, 1), one success resets the run.
+pub(super) fn liveness_spec(args: &DrillArgs) -> ProbeSpec {
+    ProbeSpec {
+        period: args.liveness_period,
+        failure_threshold: args.liveness_failures.max(1),
+        success_threshold: 1,
+        ..ProbeSpec::default()
     }
 }
 
@@ -85,9 +95,7 @@ impl Drill {
                     .await
                     .is_ok_and(|r| r.status == 200);
                 if let Some(i) = self.sides[side].as_mut() {
-                    let (period, threshold) =
-                        (self.args.liveness_period, self.args.liveness_failures);
-                    if i.live.record(ok, Instant::now(), period, threshold) {
+                    if i.live.record(ok, Instant::now()) {
                         tracing::info!(
                             engine_id = i.engine_id,
                             incarnation = i.n,
@@ -141,22 +149,31 @@ mod tests {
     fn three_consecutive_failures_stop_the_container_once() {
         let t0 = Instant::now();
         let period = Duration::from_millis(250);
-        let mut p = Prober::new(t0, period);
+        let spec = ProbeSpec {
+            period,
+            failure_threshold: 3,
+            ..ProbeSpec::default()
+        };
+        let mut p = Prober::new(t0, spec);
         assert!(!p.due(t0));
         assert!(p.due(t0 + period));
         let mut t = t0 + period;
-        assert!(!p.record(false, t, period, 3));
-        assert!(!p.record(false, t, period, 3));
+        assert!(!p.record(false, t));
+        assert!(!p.record(false, t));
         // A success resets the count.
-        assert!(!p.record(true, t, period, 3));
+        assert!(!p.record(true, t));
         assert!(!p.due(t));
         for _ in 0..2 {
             t += period;
-            assert!(!p.record(false, t, period, 3));
+            assert!(!p.record(false, t));
         }
         t += period;
-        assert!(p.record(false, t, period, 3), "third failure in a row");
+        assert!(p.record(false, t), "third failure in a row");
         assert!(!p.due(t + period * 10), "no probes after SIGTERM");
+        // Even if probed again, SIGTERM is sent once.
+        for _ in 0..3 {
+            assert!(!p.record(false, t));
+        }
         assert!(!p.grace_over(t + Duration::from_secs(5), Duration::from_secs(5)));
         assert!(p.grace_over(t + Duration::from_millis(5001), Duration::from_secs(5)));
     }

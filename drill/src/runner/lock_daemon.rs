@@ -2,8 +2,8 @@
 //! and socket), `lockd watch` (the exact grant moments, each checked against the previous
 //! holder's processes as it is read), and the one-shot `lockd status` / `lockd revoke`.
 //!
-//! Kept apart so that the lock daemon can be launched by a shared launcher later
-//! (`harness::lockd`); the runner only calls the methods of [`LockdProc`].
+//! The `lockd serve` command line comes from the workspace's one launcher,
+//! [`harness::lockd::LockdSpec`]; the runner only calls the methods of [`LockdProc`].
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -11,13 +11,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use harness::lockd::LockdSpec;
 use lockd::proto::StatusReport;
 use nix::sys::signal::Signal;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 
-use super::{log_command, log_file, RESOURCE};
+use super::{log_file, logged, RESOURCE};
 use crate::invariants::GrantObs;
 use crate::observe;
 use crate::procs::{self, now_us, Pinned};
@@ -42,14 +43,10 @@ struct WatchMsg {
 pub(super) struct LockdProc {
     /// The `lockd` binary.
     bin: PathBuf,
-    /// Its unix socket.
-    sock: PathBuf,
-    /// Its state file (kept across crashes).
-    state: PathBuf,
+    /// What `lockd serve` runs: socket, state file (kept across crashes), reconnect window.
+    spec: LockdSpec,
     /// The directory of process logs.
     logs: PathBuf,
-    /// `--reconnect-window`.
-    reconnect_window: Duration,
     /// `lockd serve`.
     child: Option<Child>,
     /// Its pid (and process group), to SIGKILL it in a lockd-crash round.
@@ -74,10 +71,11 @@ impl LockdProc {
     pub(super) fn new(bin: PathBuf, dir: &Path, reconnect_window: Duration) -> LockdProc {
         LockdProc {
             bin,
-            sock: dir.join("lockd.sock"),
-            state: dir.join("lockd.state"),
+            // The operator's LOCKD_* environment reaches the drill's lockd, as it always did.
+            spec: LockdSpec::new(dir)
+                .reconnect_window(reconnect_window)
+                .inherit_lockd_env(),
             logs: dir.join("logs"),
-            reconnect_window,
             child: None,
             pid: None,
             watch: None,
@@ -91,7 +89,7 @@ impl LockdProc {
 
     /// The endpoint supervisors and clients connect to (`unix:PATH`).
     pub(super) fn endpoint(&self) -> String {
-        format!("unix:{}", self.sock.display())
+        self.spec.endpoint()
     }
 
     pub(super) async fn start(&mut self) -> Result<()> {
@@ -127,7 +125,7 @@ impl LockdProc {
     pub(super) fn wait_socket_accepts(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
-            if std::os::unix::net::UnixStream::connect(&self.sock).is_ok() {
+            if std::os::unix::net::UnixStream::connect(self.spec.socket_path()).is_ok() {
                 return true;
             }
             if Instant::now() > deadline {
@@ -137,16 +135,14 @@ impl LockdProc {
         }
     }
 
-    /// Starts `lockd serve` without waiting for it.
+    /// Starts `lockd serve --listen unix:SOCK --state STATE --reconnect-window W` (its own
+    /// process group, logging to `logs/lockd.log`, killed on drop) without waiting for it.
     pub(super) fn spawn(&mut self) -> Result<()> {
-        let mut c = log_command(&self.bin, &self.logs, "lockd.log")?;
-        c.arg("serve")
-            .arg("--listen")
-            .arg(self.endpoint())
-            .arg("--state")
-            .arg(&self.state)
-            .arg("--reconnect-window")
-            .arg(humantime::format_duration(self.reconnect_window).to_string());
+        let mut c = logged(
+            Command::from(self.spec.command(&self.bin)),
+            &self.logs,
+            "lockd.log",
+        )?;
         let child = c.spawn().context("starting lockd")?;
         self.pid = child.id();
         if let Some(p) = child.id() {
@@ -168,7 +164,7 @@ impl LockdProc {
                     );
                 }
             }
-            if self.sock.exists() && self.status().await.is_ok() {
+            if self.spec.socket_path().exists() && self.status().await.is_ok() {
                 return Ok(());
             }
             if Instant::now() > deadline {

@@ -51,7 +51,12 @@ fn log_file(logs: &Path, name: &str) -> Result<(Stdio, Stdio)> {
 
 /// A command in its own process group, logging to `logs/log`, killed when dropped.
 fn log_command(program: &Path, logs: &Path, log: &str) -> Result<Command> {
-    let mut c = Command::new(program);
+    logged(Command::new(program), logs, log)
+}
+
+/// `c` in its own process group, stdin null, stdout and stderr appended to `logs/log`,
+/// killed when dropped.
+fn logged(mut c: Command, logs: &Path, log: &str) -> Result<Command> {
     let (out, err) = log_file(logs, log)?;
     c.stdin(Stdio::null())
         .stdout(out)

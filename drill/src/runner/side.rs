@@ -10,7 +10,7 @@ use nix::sys::signal::Signal;
 use probes::{MarkKind, Phase, StateDoc};
 use tokio::sync::oneshot;
 
-use super::kubelet::Prober;
+use super::kubelet::{liveness_spec, Prober};
 use super::{log_command, split_command, Bins, GPU_SIM_TOTAL, RESOURCE};
 use crate::invariants::Transition;
 use crate::procs::{self, now_us, Pinned};
@@ -326,7 +326,7 @@ impl Launch<'_> {
             engine_gone_us: None,
             state: None,
             transitions: Vec::new(),
-            live: Prober::new(Instant::now(), self.args.liveness_period),
+            live: Prober::new(Instant::now(), liveness_spec(self.args)),
             sigkilled_at: None,
             sigkilled_us: None,
         })

@@ -115,22 +115,7 @@ async fn before_wake_read_lock_is_bounded_by_the_handshake_timeout() {
             .unwrap();
         checks.at_standby().await.unwrap();
         // A reader holds it and a writer waits: new readers are not admitted.
-        let mut r = client(&sock).await;
-        r.handshake(RequestedLockType::Ro, Some(Duration::from_secs(5)))
-            .await
-            .unwrap();
-        let mut w = client(&sock).await;
-        let _w = tokio::spawn(async move {
-            let _ = w
-                .handshake(RequestedLockType::Rw, Some(Duration::from_secs(30)))
-                .await;
-            w
-        });
-        let end = Instant::now() + Duration::from_secs(10);
-        while r.lock_state().await.unwrap().waiting_writers != 1 {
-            assert!(Instant::now() < end);
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let (_r, _w) = reader_and_waiting_writer(&sock).await;
         let t0 = Instant::now();
         let err = checks.before_wake().await.unwrap_err();
         assert!(matches!(err, CheckError::GmsLockTimeout { .. }), "{err}");
@@ -351,6 +336,7 @@ fn host_namespace_detection_parses_the_link() {
 
 #[test]
 fn a_child_in_a_new_pid_namespace_is_not_in_the_host_namespace() {
+    const TEST: &str = "checks::a_child_in_a_new_pid_namespace_is_not_in_the_host_namespace";
     let _process = shared();
     // This process may or may not run in the host's namespace (a container does not); a
     // child in a namespace of its own certainly does not. Needs CAP_SYS_ADMIN.
@@ -375,10 +361,13 @@ fn a_child_in_a_new_pid_namespace_is_not_in_the_host_namespace() {
                 "unshare gave no new namespace"
             );
         }
-        Ok(o) => eprintln!(
-            "SKIP: unshare --pid failed (needs CAP_SYS_ADMIN): {}",
-            String::from_utf8_lossy(&o.stderr).trim()
+        Ok(o) => harness::skip(
+            TEST,
+            &format!(
+                "unshare --pid failed (needs CAP_SYS_ADMIN): {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            ),
         ),
-        Err(e) => eprintln!("SKIP: no unshare(1): {e}"),
+        Err(e) => harness::skip(TEST, &format!("no unshare(1): {e}")),
     }
 }

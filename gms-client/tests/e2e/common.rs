@@ -7,10 +7,10 @@ use std::ops::{Deref, DerefMut};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use gms_client::client::{ConnectOptions, GmsClient};
+use gms_client::protocol::RequestedLockType;
 use harness::gmsd::GmsdSpec;
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
@@ -18,19 +18,8 @@ use nix::unistd::Pid;
 pub const GMSD: &str = env!("CARGO_BIN_EXE_gmsd");
 pub const GMSCTL: &str = env!("CARGO_BIN_EXE_gmsctl");
 
-static PROCESS: RwLock<()> = RwLock::new(());
-
-/// Exclusive use of the test process, for tests whose verdict depends on timing (they ran
-/// alone in their own binary before). Survives poisoning.
-pub fn serial() -> RwLockWriteGuard<'static, ()> {
-    PROCESS.write().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Shared use of the test process, for tests that start processes but do not measure time;
-/// they run in parallel with each other, never with a [`serial`] one.
-pub fn shared() -> RwLockReadGuard<'static, ()> {
-    PROCESS.read().unwrap_or_else(|e| e.into_inner())
-}
+/// The process guards: `serial()` (alone) and `shared()` (with other shared tests).
+pub use harness::serial::{serial, shared};
 
 /// A child in its own process group; the group is SIGKILLed on drop.
 pub struct Proc {
@@ -134,6 +123,43 @@ pub fn opts() -> ConnectOptions {
 
 pub async fn client(socket: &Path) -> GmsClient {
     GmsClient::connect(socket, opts()).await.expect("connect")
+}
+
+/// A client holding the read lock: connected to `socket`, RO handshake (5 s) asserted to
+/// succeed.
+pub async fn reader(socket: &Path) -> GmsClient {
+    let mut r = client(socket).await;
+    let hs = r
+        .handshake(RequestedLockType::Ro, Some(Duration::from_secs(5)))
+        .await
+        .expect("RO handshake");
+    assert!(hs.success, "RO handshake refused: {hs:?}");
+    r
+}
+
+/// A [`reader`] holding the read lock and a writer (RW handshake, 30 s) queued behind it:
+/// returns once the server counts the waiting writer (bounded, 10 s), with the reader and
+/// the writer's task (which yields the writer's client).
+pub async fn reader_and_waiting_writer(
+    socket: &Path,
+) -> (GmsClient, tokio::task::JoinHandle<GmsClient>) {
+    let mut r = reader(socket).await;
+    let mut w = client(socket).await;
+    let writer = tokio::spawn(async move {
+        let _ = w
+            .handshake(RequestedLockType::Rw, Some(Duration::from_secs(30)))
+            .await;
+        w
+    });
+    let end = Instant::now() + Duration::from_secs(10);
+    while r.lock_state().await.unwrap().waiting_writers != 1 {
+        assert!(
+            Instant::now() < end,
+            "the writer was never counted as waiting"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    (r, writer)
 }
 
 /// Runs gmsctl with args; returns (exit code, stdout, stderr). Bounded by 60 s.

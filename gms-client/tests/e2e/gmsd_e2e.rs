@@ -227,13 +227,7 @@ async fn waiting_writer_blocks_new_readers() {
     let g = Gmsd::start(dir.path(), "gms.sock");
     let run = async {
         committed_store(&g, 2).await;
-        let mut r1 = client(&g.socket).await;
-        assert!(
-            r1.handshake(RequestedLockType::Ro, Some(Duration::from_secs(5)))
-                .await
-                .unwrap()
-                .success
-        );
+        let mut r1 = reader(&g.socket).await;
         let mut w = client(&g.socket).await;
         let writer = tokio::spawn(async move {
             let hs = w
@@ -324,10 +318,7 @@ async fn rpcs_need_the_right_lock_and_hostile_bytes_do_not_hurt_the_server() {
         assert!(e.to_string().contains("expected handshake_request"), "{e}");
         // Readers cannot write.
         committed_store(&g, 1).await;
-        let mut r = client(&g.socket).await;
-        r.handshake(RequestedLockType::Ro, Some(Duration::from_secs(5)))
-            .await
-            .unwrap();
+        let mut r = reader(&g.socket).await;
         let e = r.allocate(10, "x").await.unwrap_err();
         assert!(
             matches!(e, gms_client::client::ClientError::Server { code: 403, .. }),
@@ -427,10 +418,7 @@ async fn export_gives_a_fresh_fd_each_time_and_memory_outlives_the_session() {
     let g = Gmsd::start(dir.path(), "gms.sock");
     let run = async {
         committed_store(&g, 1).await;
-        let mut r = client(&g.socket).await;
-        r.handshake(RequestedLockType::Ro, Some(Duration::from_secs(5)))
-            .await
-            .unwrap();
+        let mut r = reader(&g.socket).await;
         let id = r.list_allocations(None).await.unwrap()[0]
             .allocation_id
             .clone();
@@ -460,13 +448,7 @@ async fn a_waiting_writer_that_disconnects_stops_blocking_readers() {
     let g = Gmsd::start(dir.path(), "gms.sock");
     let run = async {
         committed_store(&g, 1).await;
-        let mut r1 = client(&g.socket).await;
-        assert!(
-            r1.handshake(RequestedLockType::Ro, Some(Duration::from_secs(5)))
-                .await
-                .unwrap()
-                .success
-        );
+        let mut r1 = reader(&g.socket).await;
         let mut w = client(&g.socket).await;
         let writer = tokio::spawn(async move {
             let _ = w.handshake(RequestedLockType::Rw, None).await;

@@ -2,7 +2,7 @@
 //! test binary each). Tests are threads of this process: those that start processes take
 //! `common::shared()`, those whose verdict depends on timing take `common::serial()`.
 
-// The process guards (`serial()` / `shared()`) are std RwLock guards held for a whole test,
+// The process guards (`harness::serial()` / `harness::shared()`, one std RwLock) are held for a whole test,
 // across awaits too: each `#[tokio::test]` body is driven by `block_on` on its own test thread
 // and no task of any runtime takes the lock, so holding it over an await cannot deadlock.
 #![allow(clippy::await_holding_lock)]

@@ -164,25 +164,7 @@ async fn verify_times_out_when_the_read_lock_is_not_granted() {
             .await
             .unwrap();
         // A reader holds the store and a writer waits: writer priority keeps verify out.
-        let mut r = client(&g.socket).await;
-        assert!(
-            r.handshake(RequestedLockType::Ro, Some(Duration::from_secs(5)))
-                .await
-                .unwrap()
-                .success
-        );
-        let mut w = client(&g.socket).await;
-        let _writer = tokio::spawn(async move {
-            let _ = w
-                .handshake(RequestedLockType::Rw, Some(Duration::from_secs(30)))
-                .await;
-            w
-        });
-        let end = Instant::now() + Duration::from_secs(10);
-        while r.lock_state().await.unwrap().waiting_writers != 1 {
-            assert!(Instant::now() < end);
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let (_r, _writer) = reader_and_waiting_writer(&g.socket).await;
         let t0 = Instant::now();
         let (code, out, err) = tokio::task::spawn_blocking(move || {
             gmsctl(&["verify", "--socket", &sock, "--timeout", "300ms"])

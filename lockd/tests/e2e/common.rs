@@ -9,7 +9,6 @@ use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, killpg, Signal};
@@ -21,20 +20,8 @@ use harness::lockd::LockdSpec;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_lockd");
 
-static PROCESS: RwLock<()> = RwLock::new(());
-
-/// Exclusive use of the test process: for tests that measure time or CPU, and for tests that
-/// hold descriptors without FD_CLOEXEC (a process spawned by a concurrent test would inherit
-/// them). Survives poisoning (a failed test does not fail the others).
-pub fn serial() -> RwLockWriteGuard<'static, ()> {
-    PROCESS.write().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Shared use of the test process: for tests that start processes but neither measure time
-/// nor leak descriptors; they run in parallel with each other, never with a [`serial`] one.
-pub fn shared() -> RwLockReadGuard<'static, ()> {
-    PROCESS.read().unwrap_or_else(|e| e.into_inner())
-}
+/// The process guards: `serial()` (alone) and `shared()` (with other shared tests).
+pub use harness::serial::{serial, shared};
 
 /// Poll `f` every 10 ms until it returns Some, or panic after `limit`.
 pub fn wait_for<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
@@ -239,6 +226,88 @@ pub fn wait_waiters(l: &Lockd, res: &str, n: usize) {
     });
 }
 
+/// The usual contest of these tests: a lockd in a fresh temp dir (started with `extra`
+/// flags), `lockd hold` `a` holding `engine` (its command records the epoch in `fa`, then
+/// sleeps) and `lockd hold` `b` queued behind it (recording in `fb` once granted).
+///
+/// Destructure it with `d` first: bindings drop in reverse, so the temp dir goes last.
+pub struct Contest {
+    /// The temp dir of socket, state, logs and epoch files.
+    pub d: tempfile::TempDir,
+    /// The lockd.
+    pub l: Lockd,
+    /// The holder's `lockd hold`.
+    pub a: Group,
+    /// The waiter's `lockd hold`.
+    pub b: Group,
+    /// The epoch `a` was granted.
+    pub ea: u64,
+    /// `a`'s epoch file.
+    pub fa: PathBuf,
+    /// `b`'s epoch file (absent until `b` is granted).
+    pub fb: PathBuf,
+}
+
+/// Sets up a [`Contest`]: returns once `a` runs with its epoch and `b` is queued.
+pub fn contest(extra: &[&str]) -> Contest {
+    let d = tempfile::tempdir().unwrap();
+    let l = start_lockd(d.path(), extra);
+    let (fa, fb) = (d.path().join("a.epoch"), d.path().join("b.epoch"));
+    let a = hold(&l, "engine", "a", &record_epoch_and_sleep(&fa), &[]);
+    let ea = wait_epoch(&fa, Duration::from_secs(10));
+    let b = hold(&l, "engine", "b", &record_epoch_and_sleep(&fb), &[]);
+    wait_waiters(&l, "engine", 1);
+    Contest {
+        d,
+        l,
+        a,
+        b,
+        ea,
+        fa,
+        fb,
+    }
+}
+
+/// Waits (5 s) until `engine` is held again after a lockd restart (the holder reclaimed);
+/// the status that shows it.
+pub fn wait_reclaimed(l: &Lockd) -> Value {
+    wait_for(Duration::from_secs(5), "the holder's reclaim", || {
+        let st = l.status_json();
+        (resource(&st, "engine")["state"] == "held").then_some(st)
+    })
+}
+
+/// SIGKILLs only the `lockd hold` process of `hold` (not its group: its command `child_pid`
+/// lives on), then checks that `engine` stays with `a` while the child lives, not granted to
+/// `b` (epoch file `fb`), and passes to `b` with an epoch above `ea` once the child is
+/// killed.
+pub fn lock_follows_the_child(l: &Lockd, hold: &mut Group, child_pid: i32, ea: u64, fb: &Path) {
+    let _ = kill(Pid::from_raw(hold.pid()), Signal::SIGKILL);
+    hold.wait_exit(Duration::from_secs(5));
+    assert!(pid_alive(child_pid), "the child must still run");
+    std::thread::sleep(Duration::from_millis(500));
+    let st = l.status_json();
+    assert_eq!(
+        resource(&st, "engine")["holder"],
+        "a",
+        "lock must stay with the child: {st}"
+    );
+    assert_eq!(read_epoch(fb), None, "granted while the child lives");
+
+    let _ = kill(Pid::from_raw(child_pid), Signal::SIGKILL);
+    let eb = wait_epoch(fb, Duration::from_secs(10));
+    assert!(eb > ea, "epoch {eb} not above {ea}");
+}
+
+/// `lockd revoke --connect ENDPOINT --resource RESOURCE ARGS...` (run it with
+/// [`OutputWithin::output_within`]).
+pub fn revoke_cmd(endpoint: &str, resource: &str, args: &[&str]) -> Command {
+    let mut c = Command::new(BIN);
+    c.args(["revoke", "--connect", endpoint, "--resource", resource])
+        .args(args);
+    c
+}
+
 /// The process exists and is not a zombie (the workspace's one definition, `procfs::alive`).
 pub fn pid_alive(pid: i32) -> bool {
     procfs::alive(pid)
@@ -415,14 +484,8 @@ pub fn scrape(port: u16) -> Metrics {
     Metrics::parse(&r.body)
 }
 
-/// A loopback port free at the time of the call.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+/// A loopback port free at the time of the call (the harness's).
+pub use harness::free_port;
 
 #[test]
 fn metrics_parser_reads_both_exposition_formats() {

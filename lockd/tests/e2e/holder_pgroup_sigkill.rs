@@ -5,13 +5,15 @@ use std::time::Duration;
 #[test]
 fn holder_group_sigkill_hands_over_to_waiter_with_higher_epoch() {
     let _process = shared();
-    let d = tempfile::tempdir().unwrap();
-    let l = start_lockd(d.path(), &[]);
-    let (fa, fb) = (d.path().join("a.epoch"), d.path().join("b.epoch"));
-    let mut a = hold(&l, "engine", "a", &record_epoch_and_sleep(&fa), &[]);
-    let ea = wait_epoch(&fa, Duration::from_secs(10));
-    let _b = hold(&l, "engine", "b", &record_epoch_and_sleep(&fb), &[]);
-    wait_waiters(&l, "engine", 1);
+    let Contest {
+        d: _d,
+        l,
+        mut a,
+        b: _b,
+        ea,
+        fa: _,
+        fb,
+    } = contest(&[]);
     assert_eq!(
         read_epoch(&fb),
         None,

@@ -3,7 +3,7 @@
 //! `common::shared()`; those that measure time or CPU, or hold descriptors a concurrently
 //! spawned process must not inherit, take `common::serial()` (exclusive).
 
-// The process guards (`serial()` / `shared()`) are std RwLock guards held for a whole test,
+// The process guards (`harness::serial()` / `harness::shared()`, one std RwLock) are held for a whole test,
 // across awaits too: each `#[tokio::test]` body is driven by `block_on` on its own test thread
 // and no task of any runtime takes the lock, so holding it over an await cannot deadlock.
 #![allow(clippy::await_holding_lock)]

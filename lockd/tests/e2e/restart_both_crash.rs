@@ -6,13 +6,15 @@ use std::time::{Duration, Instant};
 #[test]
 fn both_crash_first_acquirer_after_restart_wins_after_window() {
     let _process = shared();
-    let d = tempfile::tempdir().unwrap();
-    let mut l = start_lockd(d.path(), &["--reconnect-window", "3s"]);
-    let (fa, fb) = (d.path().join("a.epoch"), d.path().join("b.epoch"));
-    let mut a = hold(&l, "engine", "a", &record_epoch_and_sleep(&fa), &[]);
-    let ea = wait_epoch(&fa, Duration::from_secs(10));
-    let mut b = hold(&l, "engine", "b", &record_epoch_and_sleep(&fb), &[]);
-    wait_waiters(&l, "engine", 1);
+    let Contest {
+        d,
+        mut l,
+        mut a,
+        mut b,
+        ea,
+        fa,
+        fb: _,
+    } = contest(&["--reconnect-window", "3s"]);
 
     l.kill();
     a.kill_group();

@@ -6,13 +6,15 @@ use std::time::{Duration, Instant};
 #[test]
 fn dead_holder_expires_after_the_window_and_waiter_gets_new_epoch() {
     let _process = shared();
-    let d = tempfile::tempdir().unwrap();
-    let mut l = start_lockd(d.path(), &["--reconnect-window", "1s"]);
-    let (fa, fb) = (d.path().join("a.epoch"), d.path().join("b.epoch"));
-    let mut a = hold(&l, "engine", "a", &record_epoch_and_sleep(&fa), &[]);
-    let ea = wait_epoch(&fa, Duration::from_secs(10));
-    let _b = hold(&l, "engine", "b", &record_epoch_and_sleep(&fb), &[]);
-    wait_waiters(&l, "engine", 1);
+    let Contest {
+        d: _d,
+        mut l,
+        mut a,
+        b: _b,
+        ea,
+        fa: _,
+        fb,
+    } = contest(&["--reconnect-window", "1s"]);
 
     l.kill();
     a.kill_group();

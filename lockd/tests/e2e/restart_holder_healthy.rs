@@ -6,23 +6,22 @@ use std::time::{Duration, Instant};
 #[test]
 fn healthy_holder_reclaims_same_epoch_and_waiter_stays_queued() {
     let _process = serial();
-    let d = tempfile::tempdir().unwrap();
-    let mut l = start_lockd(d.path(), &["--reconnect-window", "3s"]);
-    let (fa, fb) = (d.path().join("a.epoch"), d.path().join("b.epoch"));
-    let mut a = hold(&l, "engine", "a", &record_epoch_and_sleep(&fa), &[]);
-    let ea = wait_epoch(&fa, Duration::from_secs(10));
+    let Contest {
+        d: _d,
+        mut l,
+        mut a,
+        b: _b,
+        ea,
+        fa,
+        fb,
+    } = contest(&["--reconnect-window", "3s"]);
     let child_pid = wait_child_pid(&fa, Duration::from_secs(5));
-    let _b = hold(&l, "engine", "b", &record_epoch_and_sleep(&fb), &[]);
-    wait_waiters(&l, "engine", 1);
 
     l.kill();
     l.restart();
     let restarted = Instant::now();
     // The holder reconnects and reclaims well within the window.
-    let st = wait_for(Duration::from_secs(5), "reclaim", || {
-        let st = l.status_json();
-        (resource(&st, "engine")["state"] == "held").then_some(st)
-    });
+    let st = wait_reclaimed(&l);
     let r = resource(&st, "engine");
     assert_eq!(r["holder"], "a");
     assert_eq!(r["epoch"], ea, "a reclaim keeps the epoch");

@@ -9,13 +9,15 @@ use std::time::Duration;
 #[test]
 fn hung_holder_loses_to_waiter_after_window_and_is_fenced_on_wakeup() {
     let _process = shared();
-    let d = tempfile::tempdir().unwrap();
-    let mut l = start_lockd(d.path(), &["--reconnect-window", "1s"]);
-    let (fa, fb) = (d.path().join("a.epoch"), d.path().join("b.epoch"));
-    let mut a = hold(&l, "engine", "a", &record_epoch_and_sleep(&fa), &[]);
-    let ea = wait_epoch(&fa, Duration::from_secs(10));
-    let _b = hold(&l, "engine", "b", &record_epoch_and_sleep(&fb), &[]);
-    wait_waiters(&l, "engine", 1);
+    let Contest {
+        d,
+        mut l,
+        mut a,
+        b: _b,
+        ea,
+        fa: _,
+        fb,
+    } = contest(&["--reconnect-window", "1s"]);
 
     a.signal_group(Signal::SIGSTOP);
     l.kill();

@@ -15,16 +15,7 @@ fn revoke_tells_holder_and_keeps_lease_until_close() {
     b.send(r#"{"op":"acquire","resource":"engine","holder":"b"}"#);
     b.recv_until("queued").unwrap();
 
-    let out = std::process::Command::new(BIN)
-        .args([
-            "revoke",
-            "--connect",
-            &l.endpoint(),
-            "--resource",
-            "engine",
-            "--reason",
-            "maintenance",
-        ])
+    let out = revoke_cmd(&l.endpoint(), "engine", &["--reason", "maintenance"])
         .output_within(CMD_LIMIT)
         .unwrap();
     assert!(
@@ -59,14 +50,7 @@ fn revoke_tells_holder_and_keeps_lease_until_close() {
     );
 
     // Revoking a free resource is an error (exit 1).
-    let out = std::process::Command::new(BIN)
-        .args([
-            "revoke",
-            "--connect",
-            &l.endpoint(),
-            "--resource",
-            "nothing",
-        ])
+    let out = revoke_cmd(&l.endpoint(), "nothing", &[])
         .output_within(CMD_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
@@ -99,14 +83,7 @@ fn revoke_over_tcp_requires_the_admin_token() {
     );
     assert_eq!(l.status_json()["counters"]["revocations"], 0);
 
-    let out = std::process::Command::new(BIN)
-        .args([
-            "revoke",
-            "--connect",
-            &format!("tcp:127.0.0.1:{port}"),
-            "--resource",
-            "engine",
-        ])
+    let out = revoke_cmd(&format!("tcp:127.0.0.1:{port}"), "engine", &[])
         .env("LOCKD_ADMIN_TOKEN", "s3cret")
         .output_within(CMD_LIMIT)
         .unwrap();
@@ -121,15 +98,16 @@ fn revoke_over_tcp_requires_the_admin_token() {
 #[test]
 fn hold_fences_its_command_when_revoked() {
     let _process = shared();
-    let d = tempfile::tempdir().unwrap();
-    let l = start_lockd(d.path(), &[]);
-    let (fa, fb) = (d.path().join("a.epoch"), d.path().join("b.epoch"));
-    let mut a = hold(&l, "engine", "a", &record_epoch_and_sleep(&fa), &[]);
-    let ea = wait_epoch(&fa, Duration::from_secs(10));
-    let _b = hold(&l, "engine", "b", &record_epoch_and_sleep(&fb), &[]);
-    wait_waiters(&l, "engine", 1);
-    let out = std::process::Command::new(BIN)
-        .args(["revoke", "--connect", &l.endpoint(), "--resource", "engine"])
+    let Contest {
+        d: _d,
+        l,
+        mut a,
+        b: _b,
+        ea,
+        fa: _,
+        fb,
+    } = contest(&[]);
+    let out = revoke_cmd(&l.endpoint(), "engine", &[])
         .output_within(CMD_LIMIT)
         .unwrap();
     assert!(out.status.success());

@@ -4,6 +4,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::shared;
+use harness::free_port;
 
 fn sup() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_supervisor"));
@@ -13,14 +14,6 @@ fn sup() -> Command {
         }
     }
     c
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[test]

@@ -10,8 +10,8 @@ use nix::sys::signal::Signal;
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use supervisor::process::{
-    become_subreaper, fence, has_children, live_descendants, spawn_engine, tree_pids, EngineSpec,
-    ProcessEnd,
+    become_subreaper, fence, has_children, live_descendants, spawn_engine, tree_pids, Engine,
+    EngineSpec, ProcessEnd,
 };
 
 /// A shell that starts a detached (setsid), SIGTERM-ignoring grandchild. Fencing with a grace
@@ -19,18 +19,7 @@ use supervisor::process::{
 #[tokio::test]
 async fn fence_kills_detached_grandchildren() {
     let _guard = serial();
-    become_subreaper().unwrap();
-    reap_leftovers();
-    let spec = EngineSpec {
-        argv: vec![
-            "sh".into(),
-            "-c".into(),
-            "setsid sh -c 'trap \"\" TERM; while :; do sleep 0.05; done' & sleep 30".into(),
-        ],
-        env: vec![],
-        pid_namespace: false,
-    };
-    let mut eng = spawn_engine(&spec, &[]).unwrap();
+    let mut eng = engine_with_a_detached_grandchild("sleep 30");
     let t = Instant::now();
     while live_descendants().len() < 3 && t.elapsed() < Duration::from_secs(5) {
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -71,18 +60,7 @@ async fn fence_kills_detached_grandchildren() {
 async fn urgent_fence_does_not_wait_for_the_grace_period() {
     // Fencing kills every descendant of this process: never run beside another test.
     let _guard = serial();
-    become_subreaper().unwrap();
-    reap_leftovers();
-    let spec = EngineSpec {
-        argv: vec![
-            "sh".into(),
-            "-c".into(),
-            "setsid sh -c 'trap \"\" TERM; while :; do sleep 0.05; done' & exit 0".into(),
-        ],
-        env: vec![],
-        pid_namespace: false,
-    };
-    let mut eng = spawn_engine(&spec, &[]).unwrap();
+    let mut eng = engine_with_a_detached_grandchild("exit 0");
     eng.exited().await;
     let report = fence(&mut eng, true, Duration::from_secs(30)).await;
     assert!(report.duration < Duration::from_secs(5), "{report:?}");
@@ -92,6 +70,24 @@ async fn urgent_fence_does_not_wait_for_the_grace_period() {
         Some("exit 0")
     );
     assert!(!has_children());
+}
+
+/// Makes this process a subreaper, reaps earlier tests' leftovers, and starts an engine
+/// `sh -c 'setsid sh -c <loop ignoring SIGTERM> & THEN'`: a detached, SIGTERM-ignoring
+/// grandchild.
+fn engine_with_a_detached_grandchild(then: &str) -> Engine {
+    become_subreaper().unwrap();
+    reap_leftovers();
+    let spec = EngineSpec {
+        argv: vec![
+            "sh".into(),
+            "-c".into(),
+            format!("setsid sh -c 'trap \"\" TERM; while :; do sleep 0.05; done' & {then}").into(),
+        ],
+        env: vec![],
+        pid_namespace: false,
+    };
+    spawn_engine(&spec, &[]).unwrap()
 }
 
 /// Whether `pid` ignores SIGTERM, from the `SigIgn` mask in /proc/PID/status.

@@ -241,7 +241,7 @@ fn summarize(name: &str, ph: &Phase) -> serde_json::Value {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let mut id = 0u32;
     let quiet = run_phase(&mut c, &mut id, args.iterations, None);
     let loaded = run_phase(&mut c, &mut id, args.iterations, Some(args.live_rps));

@@ -11,7 +11,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn cold_start_primary_active_shadow_standby() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let primary = c.start(&SupOpts::new(0, "primary").engine(&["--workers", "1"]));
     assert!(
         primary.wait_phase(Phase::Active, T),

@@ -14,15 +14,14 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn detached_workers_are_killed_before_the_lock_is_released() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
-    let mut primary = c.start(
+    let mut c = Cluster::new(Duration::from_secs(2));
+    let (mut primary, shadow) = c.start_pair(
         &SupOpts::new(0, "primary")
             .sup(&["--stop-grace", "700ms", "--linger", "3s"])
             .engine(&["--workers", "2", "--detach-workers"]),
+        &SupOpts::new(1, "shadow"),
+        T,
     );
-    assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
-    let shadow = c.start(&SupOpts::new(1, "shadow"));
-    assert!(shadow.wait_phase(Phase::Standby, T), "{}", c.dump_logs());
     assert_eq!(primary.completion().unwrap().0, 200);
     let old = primary.wait_engine_pids(3, T);
     assert_eq!(old.len(), 3);

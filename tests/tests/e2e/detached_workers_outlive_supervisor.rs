@@ -16,7 +16,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn surviving_detached_workers_keep_the_lock() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let mut primary =
         c.start(&SupOpts::new(0, "primary").engine(&["--workers", "2", "--detach-workers"]));
     assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());

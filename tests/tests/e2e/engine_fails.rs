@@ -10,7 +10,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn engine_failing_in_init_ends_dead_with_exit_10() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let mut s = c.start(&SupOpts::new(1, "shadow").engine(&[
         "--fail-at",
         "init",
@@ -39,7 +39,7 @@ fn engine_failing_in_init_ends_dead_with_exit_10() {
 #[test]
 fn engine_failing_in_sleep_is_fenced_with_exit_12() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let mut s = c.start(
         &SupOpts::new(1, "shadow")
             .sup(&["--stop-grace", "2s"])

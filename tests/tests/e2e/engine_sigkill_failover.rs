@@ -13,15 +13,14 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn engine_sigkill_fails_over_after_the_old_tree_is_dead() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
-    let mut primary = c.start(
+    let mut c = Cluster::new(Duration::from_secs(2));
+    let (mut primary, shadow) = c.start_pair(
         &SupOpts::new(0, "primary")
             .sup(&["--linger", "3s"])
             .engine(&["--workers", "2"]),
+        &SupOpts::new(1, "shadow").engine(&["--workers", "2"]),
+        T,
     );
-    assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
-    let shadow = c.start(&SupOpts::new(1, "shadow").engine(&["--workers", "2"]));
-    assert!(shadow.wait_phase(Phase::Standby, T), "{}", c.dump_logs());
     // The active engine takes its GPU claim on first serve.
     assert_eq!(primary.completion().unwrap().0, 200);
     let old = primary.wait_engine_pids(3, T);

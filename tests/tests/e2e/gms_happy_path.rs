@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use harness::{kill, wait_until, Cluster, Gmsd, SupOpts};
+use harness::{kill, wait_until, Cluster, Gmsd, GmsdSpec, SupOpts};
 use nix::sys::signal::Signal;
 use probes::{MarkKind, Phase};
 
@@ -13,20 +13,19 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn failover_with_gms_checks_succeeds() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
-    let gms = Gmsd::start(c.dir.path());
+    let mut c = Cluster::new(Duration::from_secs(2));
+    let gms = Gmsd::start(GmsdSpec::new(c.dir.path().join("gms.sock")).backend("host"));
     gms.load(4);
-    let sock = gms.socket.to_string_lossy().into_owned();
+    let sock = gms.socket().to_string_lossy().into_owned();
     let gms_flags = ["--gms", sock.as_str(), "--gms-handshake-timeout", "2s"];
 
-    let primary = c.start(
+    let (primary, shadow) = c.start_pair(
         &SupOpts::new(0, "primary")
             .sup(&gms_flags)
             .sup(&["--linger", "3s"]),
+        &SupOpts::new(1, "shadow").sup(&gms_flags),
+        T,
     );
-    assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
-    let shadow = c.start(&SupOpts::new(1, "shadow").sup(&gms_flags));
-    assert!(shadow.wait_phase(Phase::Standby, T), "{}", c.dump_logs());
     assert!(
         wait_until(T, Duration::from_millis(20), || shadow
             .log_text()

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use harness::{kill, wait_until, Cluster, Gmsd, SupOpts};
+use harness::{kill, wait_until, Cluster, Gmsd, GmsdSpec, SupOpts};
 use nix::sys::signal::Signal;
 use probes::{MarkKind, Phase, StateDoc};
 
@@ -16,12 +16,12 @@ const HANDSHAKE: Duration = Duration::from_secs(2);
 #[test]
 fn shadow_fails_fast_when_gms_restarted_empty_and_lock_passes_on() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
-    let mut gms = Gmsd::start(c.dir.path());
+    let mut c = Cluster::new(Duration::from_secs(2));
+    let mut gms = Gmsd::start(GmsdSpec::new(c.dir.path().join("gms.sock")).backend("host"));
     gms.load(4);
     let committed = gms.state().expect("gmsd state");
     assert_eq!(committed["committed"], true, "{committed}");
-    let sock = gms.socket.to_string_lossy().into_owned();
+    let sock = gms.socket().to_string_lossy().into_owned();
     let hs = format!("{}ms", HANDSHAKE.as_millis());
     let gms_flags = [
         "--gms",
@@ -30,18 +30,15 @@ fn shadow_fails_fast_when_gms_restarted_empty_and_lock_passes_on() {
         hs.as_str(),
     ];
 
-    let primary = c.start(
+    let (primary, mut shadow) = c.start_pair(
         &SupOpts::new(0, "primary")
             .sup(&gms_flags)
             .sup(&["--linger", "3s"]),
-    );
-    assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
-    let mut shadow = c.start(
         &SupOpts::new(1, "shadow")
             .sup(&gms_flags)
             .sup(&["--linger", "3s"]),
+        T,
     );
-    assert!(shadow.wait_phase(Phase::Standby, T), "{}", c.dump_logs());
     // The shadow remembered the committed layout at Standby.
     assert!(
         wait_until(T, Duration::from_millis(20), || shadow

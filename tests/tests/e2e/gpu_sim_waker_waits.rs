@@ -83,7 +83,7 @@ fn kill_primary_engine(primary: &Sup) {
 #[test]
 fn shadow_waits_for_the_dead_engines_memory_before_waking() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let sim = c.dir.path().join("gpu-sim");
     let (primary, shadow) = start_pair(&mut c, &sim);
 
@@ -160,7 +160,7 @@ fn shadow_waits_for_the_dead_engines_memory_before_waking() {
 #[test]
 fn without_lingering_memory_the_wake_does_not_wait() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let sim = c.dir.path().join("gpu-sim");
     let (primary, shadow) = start_pair(&mut c, &sim);
     kill_primary_engine(&primary);

@@ -13,15 +13,14 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn hung_wake_turns_live_503_and_fences() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
-    let primary = c.start(&SupOpts::new(0, "primary"));
-    assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
-    let mut shadow = c.start(
+    let mut c = Cluster::new(Duration::from_secs(2));
+    let (primary, mut shadow) = c.start_pair(
+        &SupOpts::new(0, "primary"),
         &SupOpts::new(1, "shadow")
             .sup(&["--waking-timeout", "2s", "--linger", "3s"])
             .engine(&["--wake", "1h", "--workers", "1"]),
+        T,
     );
-    assert!(shadow.wait_phase(Phase::Standby, T), "{}", c.dump_logs());
     let pids = shadow.wait_engine_pids(2, T);
 
     // Make the shadow take over: stop the primary.

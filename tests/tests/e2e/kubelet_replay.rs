@@ -48,7 +48,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use harness::kubelet::{http_probe, simulate_startup, ProbeSpec, ResultRun, Verdict};
-use harness::{free_port, must_bin, serial, wait_until, Lockd, Proc};
+use harness::{free_port, must_bin, serial, wait_until, Lockd, LockdSpec, Proc};
 use nix::sys::signal::Signal;
 use probes::{Phase, StateDoc};
 
@@ -227,38 +227,7 @@ fn load_rendered() -> Rendered {
 // Tests that need no process: the arithmetic over the rendered settings
 // ---------------------------------------------------------------------------------------------
 
-#[test]
-fn result_run_counts_like_kubelet() {
-    let spec = ProbeSpec {
-        period: Duration::from_secs(1),
-        timeout: Duration::from_secs(1),
-        failure_threshold: 3,
-        success_threshold: 2,
-        initial_delay: Duration::ZERO,
-    };
-    let mut r = ResultRun::new(spec);
-    assert_eq!(r.observe(false), None);
-    assert_eq!(r.observe(false), None);
-    assert_eq!(r.observe(true), None, "a success breaks the failure run");
-    assert_eq!(r.observe(false), None);
-    assert_eq!(r.observe(false), None);
-    assert_eq!(
-        r.observe(false),
-        Some(Verdict::Failure),
-        "third failure in a row"
-    );
-    assert_eq!(
-        r.failures_in_a_row(),
-        0,
-        "run restarts after a kill verdict"
-    );
-    assert_eq!(r.observe(true), None);
-    assert_eq!(
-        r.observe(true),
-        Some(Verdict::Success),
-        "successThreshold 2"
-    );
-}
+// kubelet's result-run counting itself is tested once, in `harness::kubelet`.
 
 #[test]
 fn two_hour_load_fits_the_startup_budget_exactly() {
@@ -404,14 +373,6 @@ fn temp_dir(tag: &str) -> tempfile::TempDir {
         .prefix(&format!("kubelet-replay-{tag}-"))
         .tempdir()
         .expect("temp dir")
-}
-
-/// One `lockd serve` on a Unix socket in `dir` (the sidecar; its own default reconnect
-/// window), up once `lockd status` answers (the sidecar's startup probe).
-fn start_lockd(dir: &Path) -> (Lockd, String) {
-    let l = Lockd::start(dir, "10s");
-    let ep = l.endpoint.clone();
-    (l, ep)
 }
 
 /// How a fake engine behaves (already scaled).
@@ -843,7 +804,9 @@ fn replay_slow_healthy_load_and_slow_wake_are_not_killed() {
     let r = load_rendered();
     let s = scaled(&r, 1, K);
     let dir = temp_dir("slow");
-    let (_lockd, ep) = start_lockd(dir.path());
+    // The lockd sidecar (lockd's default reconnect window), up once it answers `status`.
+    let sidecar = Lockd::start(LockdSpec::new(dir.path()));
+    let ep = sidecar.endpoint();
     // A load 8x the liveness kill window (2 min unscaled: liveness must not run during Init)
     // and a wake of 75% of the waking timeout (90 s of 120 s unscaled). The shadow role: it
     // sleeps after loading, then the (free) lock wakes it, so the wake really happens.
@@ -901,7 +864,9 @@ fn replay_two_hour_load_is_not_killed_by_the_startup_probe() {
     let s = scaled(&r, 1, 1.0 / 1000.0);
     let load_2h = Duration::from_secs(7200).mul_f64(s.k);
     let dir = temp_dir("2h");
-    let (_lockd, ep) = start_lockd(dir.path());
+    // The lockd sidecar (lockd's default reconnect window), up once it answers `status`.
+    let sidecar = Lockd::start(LockdSpec::new(dir.path()));
+    let ep = sidecar.endpoint();
     // Hold the lock, so that the engine stays in Standby after its load.
     let mut hold = Command::new(must_bin("lockd"));
     hold.args([
@@ -964,7 +929,9 @@ fn replay_failover_standby_never_killed_only_active_ready_dead_engine_killed() {
     let s0 = scaled(&r, 0, K);
     let s1 = scaled(&r, 1, K);
     let dir = temp_dir("failover");
-    let (_lockd, ep) = start_lockd(dir.path());
+    // The lockd sidecar (lockd's default reconnect window), up once it answers `status`.
+    let sidecar = Lockd::start(LockdSpec::new(dir.path()));
+    let ep = sidecar.endpoint();
     let b = EngineBehaviour {
         init: Duration::from_millis(300),
         wake: Duration::from_millis(200),
@@ -1089,7 +1056,9 @@ fn replay_hung_wake_is_killed_within_waking_timeout_plus_liveness_window() {
     let r = load_rendered();
     let s = scaled(&r, 1, K);
     let dir = temp_dir("hungwake");
-    let (_lockd, ep) = start_lockd(dir.path());
+    // The lockd sidecar (lockd's default reconnect window), up once it answers `status`.
+    let sidecar = Lockd::start(LockdSpec::new(dir.path()));
+    let ep = sidecar.endpoint();
     let b = EngineBehaviour {
         init: Duration::from_millis(300),
         wake: Duration::from_secs(3600),
@@ -1142,7 +1111,9 @@ fn replay_crashed_engine_container_dies_within_the_liveness_window() {
     let r = load_rendered();
     let s = scaled(&r, 0, K);
     let dir = temp_dir("crash");
-    let (_lockd, ep) = start_lockd(dir.path());
+    // The lockd sidecar (lockd's default reconnect window), up once it answers `status`.
+    let sidecar = Lockd::start(LockdSpec::new(dir.path()));
+    let ep = sidecar.endpoint();
     let b = EngineBehaviour {
         init: Duration::from_millis(300),
         wake: Duration::from_millis(100),

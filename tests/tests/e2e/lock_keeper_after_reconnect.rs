@@ -22,15 +22,14 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn the_anchor_holds_the_reconnected_lock_until_the_whole_tree_is_dead() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
-    let mut primary = c.start(
+    let mut c = Cluster::new(Duration::from_secs(2));
+    let (mut primary, shadow) = c.start_pair(
         &SupOpts::new(0, "primary")
             .sup(&["--lock-reconnect-timeout", "8s"])
             .engine(&["--survive-supervisor", "--workers", "2", "--detach-workers"]),
+        &SupOpts::new(1, "shadow").sup(&["--lock-reconnect-timeout", "8s"]),
+        T,
     );
-    assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
-    let shadow = c.start(&SupOpts::new(1, "shadow").sup(&["--lock-reconnect-timeout", "8s"]));
-    assert!(shadow.wait_phase(Phase::Standby, T), "{}", c.dump_logs());
     assert_eq!(primary.completion().unwrap().0, 200);
     let pids = primary.wait_engine_pids(3, T);
     assert_eq!(pids.len(), 3, "engine + 2 workers: {pids:?}");

@@ -12,7 +12,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn primary_fences_itself_when_lockd_stays_away() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let mut primary = c.start(
         &SupOpts::new(0, "primary")
             .sup(&["--lock-reconnect-timeout", "2s"])

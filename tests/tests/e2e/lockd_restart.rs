@@ -11,11 +11,12 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn primary_stays_active_across_a_lockd_restart() {
     let _g = harness::serial();
-    let mut c = Cluster::new("3s");
-    let primary = c.start(&SupOpts::new(0, "primary").sup(&["--lock-reconnect-timeout", "8s"]));
-    assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
-    let shadow = c.start(&SupOpts::new(1, "shadow").sup(&["--lock-reconnect-timeout", "8s"]));
-    assert!(shadow.wait_phase(Phase::Standby, T), "{}", c.dump_logs());
+    let mut c = Cluster::new(Duration::from_secs(3));
+    let (primary, shadow) = c.start_pair(
+        &SupOpts::new(0, "primary").sup(&["--lock-reconnect-timeout", "8s"]),
+        &SupOpts::new(1, "shadow").sup(&["--lock-reconnect-timeout", "8s"]),
+        T,
+    );
     let epoch = primary.state().unwrap().epoch.expect("epoch of the grant");
 
     c.lockd.kill();

@@ -35,7 +35,7 @@ fn engine_tree(c: &Cluster, s: &Sup) -> Vec<i32> {
 #[test]
 fn engine_death_takes_detached_workers_with_it() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let opts = SupOpts::new(0, "primary")
         .sup(&["--pid-namespace", "--linger", "3s"])
         .engine(&["--workers", "2", "--detach-workers"]);
@@ -79,7 +79,7 @@ fn supervisor_sigkill_takes_detached_workers_with_it() {
         );
         return;
     }
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let primary = c.start(
         &SupOpts::new(0, "primary")
             .sup(&["--pid-namespace"])

@@ -12,15 +12,14 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn revoke_fences_the_holder_and_the_shadow_takes_over() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
-    let mut primary = c.start(
+    let mut c = Cluster::new(Duration::from_secs(2));
+    let (mut primary, shadow) = c.start_pair(
         &SupOpts::new(0, "primary")
             .sup(&["--linger", "3s"])
             .engine(&["--workers", "1"]),
+        &SupOpts::new(1, "shadow"),
+        T,
     );
-    assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
-    let shadow = c.start(&SupOpts::new(1, "shadow"));
-    assert!(shadow.wait_phase(Phase::Standby, T), "{}", c.dump_logs());
     assert_eq!(primary.completion().unwrap().0, 200);
     let pids = primary.wait_engine_pids(2, T);
 

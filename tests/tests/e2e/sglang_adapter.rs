@@ -12,11 +12,12 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn sglang_shadow_sleeps_and_takes_over() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
-    let primary = c.start(&SupOpts::new(0, "primary").adapter("sglang"));
-    assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
-    let shadow = c.start(&SupOpts::new(1, "shadow").adapter("sglang"));
-    assert!(shadow.wait_phase(Phase::Standby, T), "{}", c.dump_logs());
+    let mut c = Cluster::new(Duration::from_secs(2));
+    let (primary, shadow) = c.start_pair(
+        &SupOpts::new(0, "primary").adapter("sglang"),
+        &SupOpts::new(1, "shadow").adapter("sglang"),
+        T,
+    );
     // Asleep: the engine refuses completions.
     assert_eq!(shadow.completion().unwrap().0, 503);
 

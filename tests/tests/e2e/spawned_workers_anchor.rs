@@ -18,8 +18,8 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn spawned_workers_without_lock_fds_keep_the_lock_through_process_anchors() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
-    let mut primary = c.start(
+    let mut c = Cluster::new(Duration::from_secs(2));
+    let (mut primary, shadow) = c.start_pair(
         &SupOpts::new(0, "primary")
             .sup(&["--lock-reconnect-timeout", "8s"])
             .engine(&[
@@ -29,10 +29,9 @@ fn spawned_workers_without_lock_fds_keep_the_lock_through_process_anchors() {
                 "--detach-workers",
                 "--workers-close-lock-fds",
             ]),
+        &SupOpts::new(1, "shadow").sup(&["--lock-reconnect-timeout", "8s"]),
+        T,
     );
-    assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
-    let shadow = c.start(&SupOpts::new(1, "shadow").sup(&["--lock-reconnect-timeout", "8s"]));
-    assert!(shadow.wait_phase(Phase::Standby, T), "{}", c.dump_logs());
     let pids = primary.wait_engine_pids(3, T);
     let (engine, workers) = (pids[0], pids[1..].to_vec());
     assert_eq!(workers.len(), 2);

@@ -10,7 +10,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn slow_init_past_the_startup_budget_is_fenced() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let mut s = c.start(
         &SupOpts::new(1, "shadow")
             .sup(&["--startup-timeout", "1s", "--stop-grace", "300ms"])

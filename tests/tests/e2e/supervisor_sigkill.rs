@@ -13,11 +13,12 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn supervisor_sigkill_kills_engine_and_shadow_waits_for_it() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
-    let mut primary = c.start(&SupOpts::new(0, "primary").engine(&["--workers", "2"]));
-    assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
-    let shadow = c.start(&SupOpts::new(1, "shadow").engine(&["--workers", "2"]));
-    assert!(shadow.wait_phase(Phase::Standby, T), "{}", c.dump_logs());
+    let mut c = Cluster::new(Duration::from_secs(2));
+    let (mut primary, shadow) = c.start_pair(
+        &SupOpts::new(0, "primary").engine(&["--workers", "2"]),
+        &SupOpts::new(1, "shadow").engine(&["--workers", "2"]),
+        T,
+    );
     assert_eq!(primary.completion().unwrap().0, 200);
     let old = primary.wait_engine_pids(3, T);
     assert_eq!(old.len(), 3);

@@ -11,7 +11,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn failing_health_turns_live_and_ready_503() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let p = c.start(&SupOpts::new(0, "primary").engine(&["--fail-at", "serve"]));
     assert!(p.wait_phase(Phase::Active, T), "{}", c.dump_logs());
     assert_eq!(p.probe("/ready"), Some(200));

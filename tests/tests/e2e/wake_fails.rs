@@ -13,7 +13,7 @@ const T: Duration = Duration::from_secs(20);
 #[test]
 fn failed_wake_is_dead_fenced_exit_13() {
     let _g = harness::serial();
-    let mut c = Cluster::new("2s");
+    let mut c = Cluster::new(Duration::from_secs(2));
     let primary = c.start(&SupOpts::new(0, "primary"));
     assert!(primary.wait_phase(Phase::Active, T), "{}", c.dump_logs());
     let mut shadow =
@@ -36,12 +36,12 @@ fn failed_wake_is_dead_fenced_exit_13() {
     assert!(
         wait_until(T, Duration::from_millis(50), || c
             .lockd
-            .status()
-            .is_some_and(|s| s.resources.iter().any(|r| r.name == "engine"
+            .try_status()
+            .is_ok_and(|s| s.resources.iter().any(|r| r.name == "engine"
                 && r.state == "free"
                 && r.holder.is_none()))),
         "lock not released: {:?}{}",
-        c.lockd.status(),
+        c.lockd.try_status(),
         c.dump_logs()
     );
 }
