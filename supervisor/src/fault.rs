@@ -38,9 +38,15 @@ pub fn announce() {
             continue;
         }
         if COMPILED {
-            tracing::error!(switch = var, "PLANTED BUG switched on: this supervisor is unsafe by design (test-only)");
+            tracing::error!(
+                switch = var,
+                "PLANTED BUG switched on: this supervisor is unsafe by design (test-only)"
+            );
         } else {
-            tracing::warn!(switch = var, "planted-bug switch ignored: a release build carries no planted bugs");
+            tracing::warn!(
+                switch = var,
+                "planted-bug switch ignored: a release build carries no planted bugs"
+            );
         }
     }
 }
@@ -93,7 +99,13 @@ mod tests {
 
     #[test]
     fn switches_read_like_booleans() {
-        for (v, on) in [("1", true), ("2s", true), ("", false), ("0", false), ("false", false)] {
+        for (v, on) in [
+            ("1", true),
+            ("2s", true),
+            ("", false),
+            ("0", false),
+            ("false", false),
+        ] {
             std::env::set_var("SUPERVISOR_FAULT_TEST_SWITCH", v);
             assert_eq!(switched_on("SUPERVISOR_FAULT_TEST_SWITCH"), on, "{v:?}");
         }

@@ -13,13 +13,6 @@ use nix::sys::signal::Signal;
 /// The environment switch of the planted no-anchor bug (supervisor, test-only feature).
 pub const NO_ANCHOR_ENV: &str = "SUPERVISOR_PLANTED_BUG_NO_ANCHOR";
 
-pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ has a parent")
-        .to_path_buf()
-}
-
 /// The directory of the workspace's debug binaries (`target/<profile>/`), where
 /// `cargo test --workspace` built `supervisor`, `supervisor-drill`, `lockd` and `fake-engine`.
 /// The planted bugs are compiled into these debug builds and switched on only by their
