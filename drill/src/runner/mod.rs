@@ -1047,6 +1047,18 @@ impl Drill {
     }
 }
 
+impl Drill {
+    /// Reaps the engine processes of earlier rounds that are zombies (orphans re-parented to
+    /// this subreaper) and forgets those that are gone, so that neither zombies nor this list
+    /// grow with the number of rounds.
+    fn reap_finished(&mut self) {
+        for p in &self.all_pids {
+            procs::reap_if_zombie(p);
+        }
+        self.all_pids.retain(|p| p.stat().is_some());
+    }
+}
+
 impl Drop for Drill {
     /// Last line of defence (a panic): kill every process group and tracked pid.
     fn drop(&mut self) {

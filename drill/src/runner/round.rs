@@ -91,6 +91,7 @@ impl Drill {
 
     /// Round `r` begins: who is the victim and the taker, what is known before the failure.
     async fn begin_round(&mut self, r: usize) -> Result<Round> {
+        self.reap_finished();
         let kind = self.sched[r];
         let (a, b) = self
             .steady()
