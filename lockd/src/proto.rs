@@ -621,10 +621,7 @@ mod tests {
                 sessions: vec![],
             })
             .encode();
-            assert!(
-                status.contains(&format!(r#""state":"{wire}""#)),
-                "{status}"
-            );
+            assert!(status.contains(&format!(r#""state":"{wire}""#)), "{status}");
             assert_eq!(decode_event(status.as_bytes()).unwrap().encode(), status);
         }
         assert!(serde_json::from_str::<LeaseState>(r#""Held""#).is_err());

@@ -353,7 +353,8 @@ impl Drill {
                 if recovery_us.is_none() {
                     if let Ok(s) = self.lockd.status().await {
                         if let Some(res) = observe::resource(&s, RESOURCE) {
-                            if res.state == LeaseState::Held && res.holder == want && want.is_some() {
+                            if res.state == LeaseState::Held && res.holder == want && want.is_some()
+                            {
                                 recovery_us = Some(now_us() - t_kill);
                                 lease_reclaimed = Some(true);
                             }
