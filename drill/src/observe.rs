@@ -169,8 +169,8 @@ mod tests {
         .unwrap();
         let r = resource(&s, "engine").unwrap();
         assert_eq!(
-            (r.holder.as_deref(), r.epoch, r.state.as_str()),
-            (Some("engine-0"), 3, "held")
+            (r.holder.as_deref(), r.epoch, r.state),
+            (Some("engine-0"), 3, lockd::proto::LeaseState::Held)
         );
         assert!(resource(&s, "other").is_none());
     }

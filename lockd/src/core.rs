@@ -17,7 +17,7 @@ use rand::{rngs::StdRng, RngCore, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use crate::proto::{
-    Counters, ErrorCode, Event, Notice, NoticeKind, PeerInfo, Request, ResourceReport,
+    self, Counters, ErrorCode, Event, Notice, NoticeKind, PeerInfo, Request, ResourceReport,
     SessionReport, StatusReport,
 };
 
@@ -448,7 +448,7 @@ impl Core {
                         name: name.clone(),
                         holder: None,
                         epoch: r.epoch,
-                        state: "free".into(),
+                        state: proto::LeaseState::Free,
                         waiters,
                         holder_session: None,
                         holder_peer: None,
@@ -460,7 +460,7 @@ impl Core {
                         name: name.clone(),
                         holder: Some(l.holder.clone()),
                         epoch: l.epoch,
-                        state: "held".into(),
+                        state: proto::LeaseState::Held,
                         waiters,
                         holder_session: Some(l.session),
                         holder_peer: self.sessions.get(&l.session).map(|s| s.peer.clone()),
@@ -472,7 +472,7 @@ impl Core {
                         name: name.clone(),
                         holder: Some(lease.name.clone()),
                         epoch: lease.epoch,
-                        state: "reclaiming".into(),
+                        state: proto::LeaseState::Reclaiming,
                         waiters,
                         holder_session: None,
                         holder_peer: lease.peer.clone(),
@@ -1319,8 +1319,8 @@ mod tests {
         );
         let r = h.res("e");
         assert_eq!(
-            (r.state.as_str(), r.holder.as_deref(), r.epoch),
-            ("held", Some("a"), 1)
+            (r.state, r.holder.as_deref(), r.epoch),
+            (proto::LeaseState::Held, Some("a"), 1)
         );
         assert_eq!(r.waiters, vec!["b".to_string(), "c".to_string()]);
         // Busy and queue changes are not persisted; only the grant was.
@@ -1375,7 +1375,7 @@ mod tests {
                 holder: None
             }
         );
-        assert_eq!(h.res("e").state, "free");
+        assert_eq!(h.res("e").state, proto::LeaseState::Free);
     }
 
     #[test]
@@ -1469,7 +1469,7 @@ mod tests {
     #[test]
     fn restart_opens_a_window_then_reclaim_returns_the_same_epoch() {
         let (mut h, token) = restarted();
-        assert_eq!(h.res("e").state, "reclaiming");
+        assert_eq!(h.res("e").state, proto::LeaseState::Reclaiming);
         assert_eq!(
             h.core.next_deadline(),
             Some(h.base + Duration::from_millis(W))
@@ -1496,7 +1496,7 @@ mod tests {
         );
         assert_eq!(H::granted(&out, 2), Some((1, token, true)));
         assert!(H::to(&out, 3).is_empty());
-        assert_eq!(h.res("e").state, "held");
+        assert_eq!(h.res("e").state, proto::LeaseState::Held);
         assert_eq!(h.core.next_deadline(), None);
         let c = h.core.counters();
         assert_eq!((c.grants, c.reclaims, c.expirations), (1, 1, 0));
@@ -1554,7 +1554,7 @@ mod tests {
             );
             assert_eq!(H::err_code(&out, 2).as_deref(), Some("reclaim_refused"));
         }
-        assert_eq!(h.res("e").state, "reclaiming");
+        assert_eq!(h.res("e").state, proto::LeaseState::Reclaiming);
     }
 
     #[test]
@@ -1588,7 +1588,7 @@ mod tests {
         let (mut h, _) = restarted();
         h.ms = W + 10;
         h.step(Input::Tick);
-        assert_eq!(h.res("e").state, "free");
+        assert_eq!(h.res("e").state, proto::LeaseState::Free);
         h.connect(5, "unix");
         assert_eq!(H::granted(&h.req(5, acq("e", "z", true)), 5).unwrap().0, 2);
     }
@@ -1641,7 +1641,7 @@ mod tests {
         );
         assert!(H::granted(&out, 2).is_none());
         let r = h.res("e");
-        assert_eq!((r.state.as_str(), r.revoked), ("held", true));
+        assert_eq!((r.state, r.revoked), (proto::LeaseState::Held, true));
         // Revoking again re-notifies but does not count twice.
         h.req(
             3,
@@ -1732,7 +1732,7 @@ mod tests {
             H::to(&out, 2)[..],
             [Event::RevokeSent { epoch: 1, .. }]
         ));
-        assert_eq!(h.res("e").state, "reclaiming");
+        assert_eq!(h.res("e").state, proto::LeaseState::Reclaiming);
         assert!(h.res("e").revoked);
         assert_eq!(h.core.counters().revocations, 1);
         // A second revoke is not counted again.
@@ -1826,7 +1826,7 @@ mod tests {
         let mut h = H::with_state(st, None);
         h.ms = W;
         h.step(Input::Tick);
-        assert_eq!(h.res("e").state, "free");
+        assert_eq!(h.res("e").state, proto::LeaseState::Free);
         let c = h.core.counters();
         assert_eq!((c.revocations, c.expirations), (1, 0));
     }
@@ -1853,7 +1853,7 @@ mod tests {
         // The holder's supervisor dies: its engine's processes still hold the anchor.
         let out = h.step(Input::Disconnect { session: 1 });
         assert_eq!(H::granted(&out, 2), None, "{out:?}");
-        assert_eq!(h.res("e").state, "held");
+        assert_eq!(h.res("e").state, proto::LeaseState::Held);
         let s1 = session(&h, 1).unwrap();
         assert!(!s1.connected);
         assert_eq!(s1.anchors, 1);
@@ -1884,7 +1884,7 @@ mod tests {
         assert_eq!(H::granted(&out, 2), None);
         assert_eq!(session(&h, 1).unwrap().anchors, 1);
         h.step(Input::Disconnect { session: 1 });
-        assert_eq!(h.res("e").state, "held");
+        assert_eq!(h.res("e").state, proto::LeaseState::Held);
         let out = h.step(Input::AnchorClosed { session: 1 });
         assert_eq!(H::granted(&out, 2).unwrap().0, 2);
         // Without anchors a disconnect releases at once (the connection is the lock).
@@ -1929,7 +1929,7 @@ mod tests {
             },
         );
         assert!(H::to(&out, 1).is_empty());
-        assert_eq!(h.res("f").state, "free");
+        assert_eq!(h.res("f").state, proto::LeaseState::Free);
         // Requests "from" it are ignored (no connection can carry them).
         assert!(h.req(1, Request::Ping).is_empty());
         h.req(3, acq("e", "c", true));

@@ -322,6 +322,35 @@ pub struct SessionReport {
     pub anchors: u32,
 }
 
+/// The state of a resource's lease as shown in status (`"state"` on the wire).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LeaseState {
+    /// Nobody holds it: the next acquire is granted at once.
+    Free,
+    /// A session holds the lease.
+    Held,
+    /// A lease from before a restart, waiting for its holder to reclaim it.
+    Reclaiming,
+}
+
+impl LeaseState {
+    /// The wire string of this state (`free`, `held` or `reclaiming`).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            LeaseState::Free => "free",
+            LeaseState::Held => "held",
+            LeaseState::Reclaiming => "reclaiming",
+        }
+    }
+}
+
+impl std::fmt::Display for LeaseState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// One resource as shown in status (fields required by docs/INTERFACES.md first).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ResourceReport {
@@ -332,7 +361,7 @@ pub struct ResourceReport {
     /// Epoch of the current lease, or the last granted one when free (0: never granted).
     pub epoch: u64,
     /// `free`, `held` or `reclaiming`.
-    pub state: String,
+    pub state: LeaseState,
     /// Waiter holder names in grant order.
     pub waiters: Vec<String>,
     /// The session holding the lease (absent while reclaiming or free).
@@ -555,6 +584,48 @@ mod tests {
             decode_request(&[0xff, 0xfe], max).unwrap_err().code(),
             ErrorCode::BadRequest
         );
+    }
+
+    /// The `"state"` field of a status resource is the same bytes as when it was a string.
+    #[test]
+    fn lease_state_wire_format_unchanged() {
+        for (state, wire) in [
+            (LeaseState::Free, "free"),
+            (LeaseState::Held, "held"),
+            (LeaseState::Reclaiming, "reclaiming"),
+        ] {
+            assert_eq!(state.as_str(), wire);
+            assert_eq!(state.to_string(), wire);
+            let report = ResourceReport {
+                name: "e".into(),
+                holder: Some("a".into()),
+                epoch: 3,
+                state,
+                waiters: vec!["b".into()],
+                holder_session: Some(1),
+                holder_peer: None,
+                revoked: false,
+                granted_at_unix_ms: Some(7),
+                reclaim_remaining_ms: None,
+            };
+            let json = serde_json::to_string(&report).unwrap();
+            let want = format!(
+                r#"{{"name":"e","holder":"a","epoch":3,"state":"{wire}","waiters":["b"],"holder_session":1,"holder_peer":null,"revoked":false,"granted_at_unix_ms":7,"reclaim_remaining_ms":null}}"#
+            );
+            assert_eq!(json, want);
+            let back: ResourceReport = serde_json::from_str(&json).unwrap();
+            assert_eq!(back.state, state);
+            let status = Event::Status(StatusReport {
+                resources: vec![report],
+                counters: Counters::default(),
+                sessions: vec![],
+            })
+            .encode();
+            assert!(status.contains(&format!(r#""state":"{wire}""#)), "{status}");
+            assert_eq!(decode_event(status.as_bytes()).unwrap().encode(), status);
+        }
+        assert!(serde_json::from_str::<LeaseState>(r#""Held""#).is_err());
+        assert!(serde_json::from_str::<LeaseState>(r#""busy""#).is_err());
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use lockd::proto::ResourceReport;
+use lockd::proto::{LeaseState, ResourceReport};
 use nix::sys::signal::Signal;
 use probes::{MarkKind, Phase};
 
@@ -354,7 +354,8 @@ impl Drill {
                 if recovery_us.is_none() {
                     if let Ok(s) = self.lockd.status().await {
                         if let Some(res) = observe::resource(&s, RESOURCE) {
-                            if res.state == "held" && res.holder == want && want.is_some() {
+                            if res.state == LeaseState::Held && res.holder == want && want.is_some()
+                            {
                                 recovery_us = Some(now_us() - t_kill);
                                 lease_reclaimed = Some(true);
                             }

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lockd::client::{anchor_pair, ClientError, ClientOptions, LockClient, LockEvent};
+use lockd::proto::{Event, LeaseState, SessionReport, StatusReport};
 use lockd::Endpoint;
 
 /// A `sleep` in its own process group that inherits `fd` (the anchor's peer end).
@@ -54,19 +55,16 @@ async fn granted(c: &mut LockClient, limit: Duration, what: &str) -> (u64, bool)
     }
 }
 
-fn session_of(st: &serde_json::Value, holds: &str) -> serde_json::Value {
-    st["sessions"]
-        .as_array()
-        .and_then(|a| {
-            a.iter()
-                .find(|s| {
-                    s["holds"]
-                        .as_array()
-                        .is_some_and(|h| h.iter().any(|x| x == holds))
-                })
-                .cloned()
-        })
-        .unwrap_or(serde_json::Value::Null)
+/// The session of `st` that holds `holds`, if any.
+fn session_of<'a>(st: &'a StatusReport, holds: &str) -> Option<&'a SessionReport> {
+    st.sessions
+        .iter()
+        .find(|s| s.holds.iter().any(|h| h == holds))
+}
+
+/// [`session_of`], panicking (showing the status) when no session holds `holds`.
+fn session<'a>(st: &'a StatusReport, holds: &str) -> &'a SessionReport {
+    session_of(st, holds).unwrap_or_else(|| panic!("no session holds {holds:?}: {st:?}"))
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -100,19 +98,21 @@ async fn an_anchored_lease_outlives_its_connection_and_a_lockd_restart() {
     l.restart();
     let (e2, reclaimed) = granted(&mut a, Duration::from_secs(5), "a's reclaim").await;
     assert_eq!((e2, reclaimed), (epoch, true));
-    let st = l.status_json();
-    let s = session_of(&st, "engine");
-    assert_eq!(s["anchors"], 1, "the anchor was re-attached: {st}");
-    assert_eq!(s["connected"], true);
+    let st = l.status();
+    let s = session(&st, "engine");
+    assert_eq!(s.anchors, 1, "the anchor was re-attached: {st:?}");
+    assert!(s.connected, "{st:?}");
 
     // The holder's connection closes (its supervisor died); the engine lives on.
     a.close().await;
     let st = wait_for(Duration::from_secs(5), "a's connection gone", || {
-        let st = l.status_json();
-        (session_of(&st, "engine")["connected"] == false).then_some(st)
+        let st = l.status();
+        session_of(&st, "engine")
+            .is_some_and(|s| !s.connected)
+            .then_some(st)
     });
-    assert_eq!(resource(&st, "engine")["state"], "held");
-    assert_eq!(resource(&st, "engine")["holder"], "a");
+    assert_eq!(resource(&st, "engine").state, LeaseState::Held);
+    assert_eq!(resource(&st, "engine").holder.as_deref(), Some("a"));
     // Not granted while the engine lives (500 ms is ~100 grants' time).
     loop {
         match next(&mut b, Duration::from_millis(500)).await {
@@ -130,8 +130,8 @@ async fn an_anchored_lease_outlives_its_connection_and_a_lockd_restart() {
     assert!(eb > epoch);
     let took = killed.elapsed();
     assert!(took < Duration::from_secs(2), "handoff took {took:?}");
-    let st = l.status_json();
-    assert!(session_of(&st, "engine")["connected"] == true);
+    let st = l.status();
+    assert!(session(&st, "engine").connected, "{st:?}");
     assert!(l.log_text().contains("anchor closed"), "{}", l.log_text());
 }
 
@@ -207,8 +207,8 @@ async fn bad_anchors_are_refused_and_the_connection_stays() {
     // The connection is still usable, and a good anchor is then accepted.
     let (good, _peer) = anchor_pair().unwrap();
     send_with_fd(&c, "{\"op\":\"anchor\"}\n", good.as_raw_fd());
-    let ok = c.recv_until("anchored").unwrap();
-    assert_eq!(ok["anchors"], 1);
+    let ok = c.event_until("anchored");
+    assert!(matches!(ok, Some(Event::Anchored { anchors: 1 })), "{ok:?}");
     c.send(r#"{"op":"ping"}"#);
     assert!(c.recv_until("pong").is_some());
     // Over TCP: refused.
@@ -270,7 +270,7 @@ async fn a_process_anchor_holds_the_lease_until_that_process_exits_across_a_rest
         "the dead process's anchor to close",
         || l.log_text().contains("process exited").then_some(()),
     );
-    assert_eq!(session_of(&l.status_json(), "engine")["anchors"], 1);
+    assert_eq!(session(&l.status(), "engine").anchors, 1);
     let mut b = LockClient::connect(&ep, ClientOptions::default())
         .await
         .unwrap();
@@ -280,7 +280,7 @@ async fn a_process_anchor_holds_the_lease_until_that_process_exits_across_a_rest
     l.restart();
     let (e2, reclaimed) = granted(&mut a, Duration::from_secs(5), "a's reclaim").await;
     assert_eq!((e2, reclaimed), (epoch, true));
-    assert_eq!(session_of(&l.status_json(), "engine")["anchors"], 1);
+    assert_eq!(session(&l.status(), "engine").anchors, 1);
 
     a.close().await;
     loop {
@@ -290,7 +290,7 @@ async fn a_process_anchor_holds_the_lease_until_that_process_exits_across_a_rest
             None => break,
         }
     }
-    assert_eq!(resource(&l.status_json(), "engine")["holder"], "a");
+    assert_eq!(resource(&l.status(), "engine").holder.as_deref(), Some("a"));
     worker.kill_group();
     let (eb, _) = granted(&mut b, Duration::from_secs(5), "b").await;
     assert!(eb > epoch);

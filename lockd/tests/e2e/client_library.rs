@@ -3,6 +3,7 @@
 //! a restart, and `Lost` when lockd does not come back within `reconnect_timeout`.
 use crate::common::*;
 use lockd::client::{ClientOptions, LockClient, LockEvent};
+use lockd::proto::LeaseState;
 use lockd::Endpoint;
 use std::time::Duration;
 
@@ -84,7 +85,7 @@ async fn grant_busy_queue_and_inherited_fd() {
             .is_err(),
         "no grant while the dup lives"
     );
-    assert_eq!(resource(&l.status_json(), "engine")["holder"], "a");
+    assert_eq!(resource(&l.status(), "engine").holder.as_deref(), Some("a"));
     drop(fd);
     assert_eq!(
         next(&mut b).await,
@@ -96,7 +97,7 @@ async fn grant_busy_queue_and_inherited_fd() {
     );
     b.release("engine").await.unwrap();
     wait_for(Duration::from_secs(5), "free", || {
-        (resource(&l.status_json(), "engine")["state"] == "free").then_some(())
+        (resource(&l.status(), "engine").state == LeaseState::Free).then_some(())
     });
 }
 
@@ -140,7 +141,7 @@ async fn waiter_requeues_after_restart_and_holder_is_lost_when_lockd_stays_down(
             reclaimed: false
         }
     );
-    assert_eq!(l.status_json()["counters"]["expirations"], 1);
+    assert_eq!(l.status().counters.expirations, 1);
 }
 
 #[tokio::test]
@@ -172,5 +173,5 @@ async fn holder_reclaims_after_restart() {
     }
     assert!(saw_reconnected);
     assert!(a.inheritable_fd().is_ok());
-    assert_eq!(resource(&l.status_json(), "engine")["state"], "held");
+    assert_eq!(resource(&l.status(), "engine").state, LeaseState::Held);
 }

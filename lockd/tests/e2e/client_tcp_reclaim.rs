@@ -2,6 +2,7 @@
 //! back (same epoch) after lockd is SIGKILLed and restarted on the same port and state file.
 use crate::common::*;
 use lockd::client::{ClientOptions, LockClient, LockEvent};
+use lockd::proto::LeaseState;
 use lockd::Endpoint;
 use std::time::Duration;
 
@@ -41,8 +42,15 @@ async fn tcp_client_reclaims_after_restart() {
             break;
         }
     }
-    let st = l.status_json();
-    assert_eq!(resource(&st, "engine")["holder_peer"]["transport"], "tcp");
+    let st = l.status();
+    assert_eq!(
+        resource(&st, "engine")
+            .holder_peer
+            .as_ref()
+            .map(|p| p.transport.as_str()),
+        Some("tcp"),
+        "{st:?}"
+    );
     l.kill();
     l.restart();
     loop {
@@ -57,7 +65,7 @@ async fn tcp_client_reclaims_after_restart() {
             _ => {}
         }
     }
-    let st = l.status_json();
-    assert_eq!(resource(&st, "engine")["state"], "held");
-    assert_eq!(st["counters"]["reclaims"], 1);
+    let st = l.status();
+    assert_eq!(resource(&st, "engine").state, LeaseState::Held);
+    assert_eq!(st.counters.reclaims, 1);
 }

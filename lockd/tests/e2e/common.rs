@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use lockd::proto::{Event, LeaseState, ResourceReport, StatusReport};
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 use serde_json::Value;
@@ -98,20 +99,19 @@ pub fn start_lockd(dir: &Path, extra: &[&str]) -> Lockd {
     Lockd::start(spec(dir, extra))
 }
 
-/// One `status` round trip over the socket, as raw JSON.
-pub fn status_at(sock: &Path) -> std::io::Result<Value> {
-    let line = harness::lockd::status_line(sock, Duration::from_secs(5))
-        .map_err(|e| std::io::Error::other(e.to_string()))?;
-    serde_json::from_str(&line).map_err(std::io::Error::other)
+/// Resource `name` of a status report; panics (showing the status) if there is no such
+/// resource, so that an assertion on its fields cannot pass on a missing one.
+pub fn resource<'a>(st: &'a StatusReport, name: &str) -> &'a ResourceReport {
+    st.resources
+        .iter()
+        .find(|r| r.name == name)
+        .unwrap_or_else(|| panic!("no resource {name:?} in status {st:?}"))
 }
 
-/// Resource `name` from a status object; panics if there is no such resource (so that an
-/// assertion on its fields cannot pass on `Null`).
-pub fn resource(st: &Value, name: &str) -> Value {
-    st["resources"]
-        .as_array()
-        .and_then(|a| a.iter().find(|r| r["name"] == name).cloned())
-        .unwrap_or_else(|| panic!("no resource {name:?} in status {st}"))
+/// Decodes a line the server sent as a typed [`Event`]; panics (showing it) when it is not
+/// a well-formed event of this protocol.
+pub fn typed_event(v: &Value) -> Event {
+    serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("not a valid event: {v}: {e}"))
 }
 
 /// A raw line-protocol connection with bounded reads.
@@ -146,6 +146,17 @@ impl Conn {
             if v["event"] == event {
                 return Some(v);
             }
+        }
+    }
+    /// [`recv_until`](Self::recv_until), typed: panics if that event is not well-formed.
+    pub fn event_until(&mut self, event: &str) -> Option<Event> {
+        self.recv_until(event).map(|v| typed_event(&v))
+    }
+    /// Skip events until `granted`; its epoch. Panics on EOF/timeout (with `what`).
+    pub fn granted_epoch(&mut self, what: &str) -> u64 {
+        match self.event_until("granted") {
+            Some(Event::Granted { epoch, .. }) => epoch,
+            other => panic!("no grant for {what}: {other:?}"),
         }
     }
     /// True when the server closed the connection (EOF) within the read timeout.
@@ -270,10 +281,10 @@ pub fn contest(extra: &[&str]) -> Contest {
 
 /// Waits (5 s) until `engine` is held again after a lockd restart (the holder reclaimed);
 /// the status that shows it.
-pub fn wait_reclaimed(l: &Lockd) -> Value {
+pub fn wait_reclaimed(l: &Lockd) -> StatusReport {
     wait_for(Duration::from_secs(5), "the holder's reclaim", || {
-        let st = l.status_json();
-        (resource(&st, "engine")["state"] == "held").then_some(st)
+        let st = l.status();
+        (resource(&st, "engine").state == LeaseState::Held).then_some(st)
     })
 }
 
@@ -286,11 +297,11 @@ pub fn lock_follows_the_child(l: &Lockd, hold: &mut Group, child_pid: i32, ea: u
     hold.wait_exit(Duration::from_secs(5));
     assert!(pid_alive(child_pid), "the child must still run");
     std::thread::sleep(Duration::from_millis(500));
-    let st = l.status_json();
+    let st = l.status();
     assert_eq!(
-        resource(&st, "engine")["holder"],
-        "a",
-        "lock must stay with the child: {st}"
+        resource(&st, "engine").holder.as_deref(),
+        Some("a"),
+        "lock must stay with the child: {st:?}"
     );
     assert_eq!(read_epoch(fb), None, "granted while the child lives");
 
@@ -348,6 +359,10 @@ impl TcpConn {
                 return Some(v);
             }
         }
+    }
+    /// [`recv_until`](Self::recv_until), typed: panics if that event is not well-formed.
+    pub fn event_until(&mut self, event: &str) -> Option<Event> {
+        self.recv_until(event).map(|v| typed_event(&v))
     }
 }
 

@@ -21,8 +21,8 @@ fn after_a_lockd_restart_killing_hold_alone_keeps_the_lock_until_the_child_dies(
     l.kill();
     l.restart();
     let st = wait_reclaimed(&l);
-    assert_eq!(resource(&st, "engine")["holder"], "a");
-    assert_eq!(resource(&st, "engine")["epoch"], ea);
+    assert_eq!(resource(&st, "engine").holder.as_deref(), Some("a"));
+    assert_eq!(resource(&st, "engine").epoch, ea);
 
     // Kill only the `lockd hold` process (the only holder of the new connection).
     lock_follows_the_child(&l, &mut a, child_pid, ea, &fb);

@@ -1,6 +1,7 @@
 //! Decision 8, row 2: lockd SIGKILLed, the holder dies while lockd is down → after the
 //! reconnect window the lease counts as expired and the waiter is granted a new epoch.
 use crate::common::*;
+use lockd::proto::LeaseState;
 use std::time::{Duration, Instant};
 
 #[test]
@@ -20,10 +21,10 @@ fn dead_holder_expires_after_the_window_and_waiter_gets_new_epoch() {
     a.kill_group();
     l.restart();
     let restarted = Instant::now();
-    let st = l.status_json();
+    let st = l.status();
     let r = resource(&st, "engine");
-    assert_eq!(r["state"], "reclaiming", "{st}");
-    assert_eq!(r["holder"], "a");
+    assert_eq!(r.state, LeaseState::Reclaiming, "{st:?}");
+    assert_eq!(r.holder.as_deref(), Some("a"));
     let eb = wait_epoch(&fb, Duration::from_secs(10));
     let waited = restarted.elapsed();
     assert!(
@@ -31,8 +32,8 @@ fn dead_holder_expires_after_the_window_and_waiter_gets_new_epoch() {
         "granted after {waited:?}, inside the window"
     );
     assert!(eb > ea);
-    let st = l.status_json();
-    assert_eq!(resource(&st, "engine")["holder"], "b");
-    assert_eq!(st["counters"]["expirations"], 1);
-    assert_eq!(st["counters"]["releases"], 0);
+    let st = l.status();
+    assert_eq!(resource(&st, "engine").holder.as_deref(), Some("b"));
+    assert_eq!(st.counters.expirations, 1);
+    assert_eq!(st.counters.releases, 0);
 }

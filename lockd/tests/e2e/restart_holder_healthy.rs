@@ -23,25 +23,25 @@ fn healthy_holder_reclaims_same_epoch_and_waiter_stays_queued() {
     // The holder reconnects and reclaims well within the window.
     let st = wait_reclaimed(&l);
     let r = resource(&st, "engine");
-    assert_eq!(r["holder"], "a");
-    assert_eq!(r["epoch"], ea, "a reclaim keeps the epoch");
+    assert_eq!(r.holder.as_deref(), Some("a"));
+    assert_eq!(r.epoch, ea, "a reclaim keeps the epoch");
     assert!(
         restarted.elapsed() < Duration::from_secs(3),
         "reclaimed before the window ended"
     );
     // Past the window: still no failover.
     std::thread::sleep(Duration::from_millis(3200));
-    let st = l.status_json();
-    assert_eq!(resource(&st, "engine")["holder"], "a");
-    assert_eq!(st["counters"]["expirations"], 0);
-    assert_eq!(st["counters"]["reclaims"], 1);
+    let st = l.status();
+    assert_eq!(resource(&st, "engine").holder.as_deref(), Some("a"));
+    assert_eq!(st.counters.expirations, 0);
+    assert_eq!(st.counters.reclaims, 1);
     assert_eq!(read_epoch(&fb), None, "no failover");
     assert!(
         a.alive() && pid_alive(child_pid),
         "holder and its engine keep running"
     );
     // The waiter re-queued by itself after the restart and gets the lock when a dies.
-    assert_eq!(resource(&st, "engine")["waiters"], serde_json::json!(["b"]));
+    assert_eq!(resource(&st, "engine").waiters, vec!["b".to_string()]);
     a.kill_group();
     let eb = wait_epoch(&fb, Duration::from_secs(10));
     assert!(eb > ea);

@@ -24,9 +24,9 @@ fn hung_holder_loses_to_waiter_after_window_and_is_fenced_on_wakeup() {
     l.restart();
     let eb = wait_epoch(&fb, Duration::from_secs(10));
     assert!(eb > ea);
-    let st = l.status_json();
-    assert_eq!(resource(&st, "engine")["holder"], "b");
-    assert_eq!(st["counters"]["expirations"], 1);
+    let st = l.status();
+    assert_eq!(resource(&st, "engine").holder.as_deref(), Some("b"));
+    assert_eq!(st.counters.expirations, 1);
 
     a.signal_group(Signal::SIGCONT);
     let status = a.wait_exit(Duration::from_secs(20));
@@ -37,5 +37,5 @@ fn hung_holder_loses_to_waiter_after_window_and_is_fenced_on_wakeup() {
     );
     let log = std::fs::read_to_string(d.path().join("hold-a.log")).unwrap();
     assert!(log.contains("lease lost"), "{log}");
-    assert_eq!(resource(&l.status_json(), "engine")["holder"], "b");
+    assert_eq!(resource(&l.status(), "engine").holder.as_deref(), Some("b"));
 }

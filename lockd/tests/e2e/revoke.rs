@@ -1,6 +1,7 @@
 //! Revoke: lockd tells the holder (which fences itself), the lease stays until the holder's
 //! connection closes, it is counted as a revocation; over TCP revoke needs the admin token.
 use crate::common::*;
+use lockd::proto::Event;
 use std::time::Duration;
 
 #[test]
@@ -10,7 +11,7 @@ fn revoke_tells_holder_and_keeps_lease_until_close() {
     let l = start_lockd(d.path(), &[]);
     let mut a = Conn::connect(l.socket()).unwrap();
     a.send(r#"{"op":"acquire","resource":"engine","holder":"a"}"#);
-    let g = a.recv_until("granted").unwrap();
+    let epoch = a.granted_epoch("a");
     let mut b = Conn::connect(l.socket()).unwrap();
     b.send(r#"{"op":"acquire","resource":"engine","holder":"b"}"#);
     b.recv_until("queued").unwrap();
@@ -23,29 +24,33 @@ fn revoke_tells_holder_and_keeps_lease_until_close() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let ev = a.recv_until("revoked").expect("holder is told");
-    assert_eq!(ev["epoch"], g["epoch"]);
-    assert_eq!(ev["reason"], "maintenance");
+    let ev = a.event_until("revoked").expect("holder is told");
+    assert_eq!(
+        ev,
+        Event::Revoked {
+            resource: "engine".into(),
+            epoch,
+            reason: "maintenance".into()
+        }
+    );
 
     std::thread::sleep(Duration::from_millis(200));
-    let st = l.status_json();
+    let st = l.status();
     let r = resource(&st, "engine");
     assert_eq!(
-        (r["holder"].as_str(), r["revoked"].as_bool()),
-        (Some("a"), Some(true)),
-        "{st}"
+        (r.holder.as_deref(), r.revoked),
+        (Some("a"), true),
+        "{st:?}"
     );
-    assert_eq!(st["counters"]["revocations"], 1);
+    assert_eq!(st.counters.revocations, 1);
 
     drop(a); // the holder lets go
-    let gb = b
-        .recv_until("granted")
-        .expect("waiter granted once the holder closed");
-    assert!(gb["epoch"].as_u64() > g["epoch"].as_u64());
-    let st = l.status_json();
-    assert_eq!(st["counters"]["revocations"], 1);
+    let eb = b.granted_epoch("the waiter, once the holder closed");
+    assert!(eb > epoch, "epoch {eb} not above {epoch}");
+    let st = l.status();
+    assert_eq!(st.counters.revocations, 1);
     assert_eq!(
-        st["counters"]["releases"], 0,
+        st.counters.releases, 0,
         "a revoked lease counts as revoked, not released"
     );
 
@@ -68,7 +73,11 @@ fn revoke_over_tcp_requires_the_admin_token() {
     let port = tcp_port(&l);
     let mut a = TcpConn::connect(port);
     a.send(r#"{"op":"acquire","resource":"engine","holder":"a"}"#);
-    assert_eq!(a.recv_until("granted").unwrap()["event"], "granted");
+    let g = a.event_until("granted");
+    assert!(
+        matches!(&g, Some(Event::Granted { resource, epoch: 1, .. }) if resource == "engine"),
+        "{g:?}"
+    );
 
     let mut op = TcpConn::connect(port);
     op.send(r#"{"op":"revoke","resource":"engine"}"#);
@@ -81,7 +90,7 @@ fn revoke_over_tcp_requires_the_admin_token() {
         op.recv_until("revoke_sent").unwrap()["code"],
         "unauthorized"
     );
-    assert_eq!(l.status_json()["counters"]["revocations"], 0);
+    assert_eq!(l.status().counters.revocations, 0);
 
     let out = revoke_cmd(&format!("tcp:127.0.0.1:{port}"), "engine", &[])
         .env("LOCKD_ADMIN_TOKEN", "s3cret")
@@ -92,7 +101,11 @@ fn revoke_over_tcp_requires_the_admin_token() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(a.recv_until("revoked").unwrap()["event"], "revoked");
+    let ev = a.event_until("revoked");
+    assert!(
+        matches!(&ev, Some(Event::Revoked { resource, epoch: 1, .. }) if resource == "engine"),
+        "{ev:?}"
+    );
 }
 
 #[test]
@@ -119,9 +132,6 @@ fn hold_fences_its_command_when_revoked() {
     );
     let eb = wait_epoch(&fb, Duration::from_secs(10));
     assert!(eb > ea);
-    let c = &l.status_json()["counters"];
-    assert_eq!(
-        (c["revocations"].as_u64(), c["releases"].as_u64()),
-        (Some(1), Some(0))
-    );
+    let c = l.status().counters;
+    assert_eq!((c.revocations, c.releases), (1, 0));
 }

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use harness::{wait_until, Cluster, SupOpts};
+use lockd::proto::LeaseState;
 use nix::sys::signal::Signal;
 use probes::Phase;
 use procfs::alive;
@@ -38,7 +39,7 @@ fn failed_wake_is_dead_fenced_exit_13() {
             .lockd
             .try_status()
             .is_ok_and(|s| s.resources.iter().any(|r| r.name == "engine"
-                && r.state == "free"
+                && r.state == LeaseState::Free
                 && r.holder.is_none()))),
         "lock not released: {:?}{}",
         c.lockd.try_status(),
