@@ -23,6 +23,7 @@ pub mod gmsd;
 pub mod http;
 pub mod kubelet;
 pub mod lockd;
+pub mod metrics;
 pub mod net;
 pub mod proc;
 pub mod serial;

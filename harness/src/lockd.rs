@@ -509,13 +509,6 @@ impl Lockd {
             .unwrap_or_else(|e| panic!("lockd status: {e}; log:\n{}", self.log_text()))
     }
 
-    /// `status` as raw JSON (for tests of the wire format); panics if lockd does not answer.
-    pub fn status_json(&self) -> serde_json::Value {
-        let line = status_line(&self.spec.socket, Duration::from_secs(5))
-            .unwrap_or_else(|e| panic!("lockd status: {e}; log:\n{}", self.log_text()));
-        serde_json::from_str(&line).expect("status is JSON")
-    }
-
     /// Holder of `resource`, `None` if it is free, unknown, or lockd does not answer.
     pub fn holder(&self, resource: &str) -> Option<String> {
         self.try_status()

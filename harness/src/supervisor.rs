@@ -96,10 +96,8 @@ impl Sup {
     }
 
     /// GET `/metrics`; panics if nothing answers.
-    pub fn metrics(&self) -> String {
-        let (code, body) = get(self.probes, "/metrics").expect("/metrics answers");
-        assert_eq!(code, 200, "/metrics: {body}");
-        body
+    pub fn metrics(&self) -> crate::metrics::Metrics {
+        crate::metrics::scrape(self.probes.port())
     }
 
     /// `/state`, typed (None while nothing answers).

@@ -371,26 +371,14 @@ mod tests {
     use std::net::SocketAddr;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// The samples of an exposition: `(series with labels, value)`, comments skipped.
-    fn samples(text: &str) -> Vec<(String, f64)> {
-        text.lines()
-            .filter(|l| !l.starts_with('#') && !l.is_empty())
-            .map(|l| {
-                let (series, v) = l.rsplit_once(' ').expect("sample line has a value");
-                (series.to_string(), v.parse().expect("numeric sample value"))
-            })
-            .collect()
+    /// Every sample, through the workspace's one exposition reader (`harness::metrics`).
+    fn samples(text: &str) -> Vec<harness::metrics::Sample> {
+        harness::metrics::Metrics::parse(text).samples
     }
 
-    /// The value of exactly one series, failing loudly when it is absent or repeated.
+    /// The value of exactly one series (`name{k="v",...}`), failing loudly when it is absent.
     fn value(text: &str, series: &str) -> f64 {
-        let found: Vec<f64> = samples(text)
-            .into_iter()
-            .filter(|(s, _)| s == series)
-            .map(|(_, v)| v)
-            .collect();
-        assert_eq!(found.len(), 1, "{series} once in\n{text}");
-        found[0]
+        harness::metrics::Metrics::parse(text).series(series)
     }
 
     fn counters(grants: u64) -> Counters {
@@ -430,10 +418,8 @@ mod tests {
             assert_eq!(value(&text, series), v, "{series}");
         }
         // Every sample belongs to a documented family; nothing else is exposed.
-        let names: std::collections::BTreeSet<String> = samples(&text)
-            .into_iter()
-            .map(|(s, _)| s.split('{').next().unwrap().to_string())
-            .collect();
+        let names: std::collections::BTreeSet<String> =
+            samples(&text).into_iter().map(|s| s.name).collect();
         assert_eq!(names.len(), 18, "{names:?}");
         assert!(text.contains("# TYPE lockd_grants counter\n"), "{text}");
         assert!(text.contains("# TYPE lockd_waiters gauge\n"), "{text}");
@@ -504,7 +490,7 @@ mod tests {
         assert!((sum - 5.00214).abs() < 1e-9, "{sum}");
         let buckets = samples(&text)
             .iter()
-            .filter(|(s, _)| s.starts_with("lockd_handoff_seconds_bucket{"))
+            .filter(|s| s.name == "lockd_handoff_seconds_bucket")
             .count();
         assert_eq!(buckets, HANDOFF_BUCKETS.len() + 1);
         assert_eq!(

@@ -325,26 +325,14 @@ impl Metrics {
 mod tests {
     use super::*;
 
-    /// The samples of an exposition: `(series with labels, value)`, comments skipped.
-    fn samples(text: &str) -> Vec<(String, f64)> {
-        text.lines()
-            .filter(|l| !l.starts_with('#') && !l.is_empty())
-            .map(|l| {
-                let (series, v) = l.rsplit_once(' ').expect("sample line has a value");
-                (series.to_string(), v.parse().expect("numeric sample value"))
-            })
-            .collect()
+    /// Every sample, through the workspace's one exposition reader (`harness::metrics`).
+    fn samples(text: &str) -> Vec<harness::metrics::Sample> {
+        harness::metrics::Metrics::parse(text).samples
     }
 
-    /// The value of exactly one series, failing loudly when it is absent.
+    /// The value of exactly one series (`name{k="v",...}`), failing loudly when it is absent.
     fn value(text: &str, series: &str) -> f64 {
-        let found: Vec<f64> = samples(text)
-            .into_iter()
-            .filter(|(s, _)| s == series)
-            .map(|(_, v)| v)
-            .collect();
-        assert_eq!(found.len(), 1, "{series} once in\n{text}");
-        found[0]
+        harness::metrics::Metrics::parse(text).series(series)
     }
 
     /// Metric family names declared by `# TYPE` lines, with their types.
@@ -432,10 +420,7 @@ mod tests {
     fn every_documented_series_is_rendered() {
         let m = Metrics::new(3, "primary");
         let text = m.render(&Status::new(3, "primary"));
-        let names: Vec<String> = samples(&text)
-            .into_iter()
-            .map(|(s, _)| s.split('{').next().unwrap().to_string())
-            .collect();
+        let names: Vec<String> = samples(&text).into_iter().map(|s| s.name).collect();
         for n in [
             "supervisor_state",
             "supervisor_transitions_total",
@@ -463,8 +448,17 @@ mod tests {
         // Every sample carries both constant labels.
         let all = samples(&text);
         assert!(all.len() > 40, "{text}");
-        for (s, _) in &all {
-            assert!(s.contains("engine_id=\"3\",role=\"primary\""), "{s}");
+        for s in &all {
+            assert_eq!(
+                s.labels.get("engine_id").map(String::as_str),
+                Some("3"),
+                "{s:?}"
+            );
+            assert_eq!(
+                s.labels.get("role").map(String::as_str),
+                Some("primary"),
+                "{s:?}"
+            );
         }
         let t = types(&text);
         assert!(
@@ -571,7 +565,7 @@ mod tests {
         // One bucket line per bound plus +Inf.
         let n = samples(&text)
             .iter()
-            .filter(|(s, _)| s.starts_with("supervisor_fencing_seconds_bucket{"))
+            .filter(|s| s.name == "supervisor_fencing_seconds_bucket")
             .count();
         assert_eq!(n, BUCKETS.len() + 1);
     }

@@ -3,7 +3,6 @@
 //! loopback only, every wait bounded.
 #![allow(dead_code)]
 
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
@@ -366,138 +365,7 @@ impl TcpConn {
     }
 }
 
-/// One sample of a Prometheus / OpenMetrics text exposition: `name{labels} value`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Sample {
-    pub name: String,
-    pub labels: BTreeMap<String, String>,
-    pub value: f64,
-}
-
-/// A parsed `/metrics` page: samples only (`# HELP`, `# TYPE`, `# UNIT`, `# EOF` and exemplars
-/// ignored), so that assertions hold for the Prometheus text format and OpenMetrics alike.
-#[derive(Clone, Debug)]
-pub struct Metrics {
-    pub samples: Vec<Sample>,
-    pub text: String,
-}
-
-impl Metrics {
-    /// Parses an exposition; panics on a sample line it cannot read (a broken page must fail).
-    pub fn parse(text: &str) -> Metrics {
-        let mut samples = Vec::new();
-        for line in text.lines() {
-            let line = line.trim();
-            if line.is_empty() || line.starts_with('#') {
-                continue;
-            }
-            // Drop an exemplar (` # {...} v`).
-            let line = line.split(" # ").next().unwrap_or(line);
-            let (name, labels, rest) = match line.find('{') {
-                Some(i) => {
-                    let close = line[i..]
-                        .rfind('}')
-                        .unwrap_or_else(|| panic!("unclosed labels in {line:?}"))
-                        + i;
-                    (
-                        &line[..i],
-                        parse_labels(&line[i + 1..close]),
-                        &line[close + 1..],
-                    )
-                }
-                None => {
-                    let sp = line
-                        .find(' ')
-                        .unwrap_or_else(|| panic!("no value in {line:?}"));
-                    (&line[..sp], BTreeMap::new(), &line[sp..])
-                }
-            };
-            let v = rest
-                .split_whitespace()
-                .next()
-                .unwrap_or_else(|| panic!("no value in {line:?}"));
-            let value = match v {
-                "+Inf" => f64::INFINITY,
-                "-Inf" => f64::NEG_INFINITY,
-                v => v
-                    .parse()
-                    .unwrap_or_else(|e| panic!("bad value {v:?} in {line:?}: {e}")),
-            };
-            samples.push(Sample {
-                name: name.to_string(),
-                labels,
-                value,
-            });
-        }
-        Metrics {
-            samples,
-            text: text.to_string(),
-        }
-    }
-
-    /// The value of the sample `name` whose labels include `labels` (None if absent).
-    pub fn get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-        self.samples
-            .iter()
-            .find(|s| {
-                s.name == name
-                    && labels
-                        .iter()
-                        .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
-            })
-            .map(|s| s.value)
-    }
-
-    /// Like [`get`](Self::get), panicking with the page when the sample is missing.
-    pub fn value(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        self.get(name, labels)
-            .unwrap_or_else(|| panic!("no {name}{labels:?} in\n{}", self.text))
-    }
-}
-
-fn parse_labels(s: &str) -> BTreeMap<String, String> {
-    let mut out = BTreeMap::new();
-    let mut rest = s.trim();
-    while !rest.is_empty() {
-        let eq = rest.find('=').unwrap_or_else(|| panic!("bad labels {s:?}"));
-        let key = rest[..eq].trim().trim_start_matches(',').trim().to_string();
-        let after = &rest[eq + 1..];
-        assert!(after.starts_with('"'), "bad labels {s:?}");
-        let mut val = String::new();
-        let mut chars = after[1..].char_indices();
-        let mut end = None;
-        while let Some((i, c)) = chars.next() {
-            match c {
-                '\\' => match chars.next() {
-                    Some((_, 'n')) => val.push('\n'),
-                    Some((_, c)) => val.push(c),
-                    None => {}
-                },
-                '"' => {
-                    end = Some(i + 2);
-                    break;
-                }
-                c => val.push(c),
-            }
-        }
-        let end = end.unwrap_or_else(|| panic!("unterminated label value in {s:?}"));
-        out.insert(key, val);
-        rest = after[end..].trim_start_matches([',', ' ']);
-    }
-    out
-}
-
-/// GET `/metrics` on loopback `port` through the workspace's HTTP client; panics unless the
-/// answer is 200.
-pub fn scrape(port: u16) -> Metrics {
-    let r = harness::http::get(
-        &format!("http://127.0.0.1:{port}/metrics"),
-        Duration::from_secs(5),
-    )
-    .unwrap_or_else(|| panic!("no answer from /metrics on port {port}"));
-    assert_eq!(r.status, 200, "GET /metrics: {}", r.body);
-    Metrics::parse(&r.body)
-}
+pub use harness::metrics::{scrape, Metrics};
 
 /// A loopback port free at the time of the call (the harness's).
 pub use harness::free_port;

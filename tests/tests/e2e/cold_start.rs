@@ -48,9 +48,9 @@ fn cold_start_primary_active_shadow_standby() {
 
     // Metrics carry the labels.
     let m = shadow.metrics();
-    assert!(
-        m.contains("supervisor_state{engine_id=\"1\",role=\"shadow\",state=\"standby\"} 1"),
-        "{m}"
+    assert_eq!(
+        m.series("supervisor_state{engine_id=\"1\",role=\"shadow\",state=\"standby\"}"),
+        1.0
     );
     assert!(c.violations().is_empty());
 }

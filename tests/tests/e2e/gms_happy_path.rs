@@ -59,15 +59,13 @@ fn failover_with_gms_checks_succeeds() {
     let log = shadow.log_text();
     assert!(log.contains("gpu check before wake: ok"), "{log}");
     let metrics = shadow.metrics();
-    assert!(
-        metrics.contains("supervisor_gpu_wake_checks_total{engine_id=\"1\",role=\"shadow\"} 1"),
-        "{metrics}"
+    assert_eq!(
+        metrics.series("supervisor_gpu_wake_checks_total{engine_id=\"1\",role=\"shadow\"}"),
+        1.0
     );
-    assert!(
-        metrics.contains(
-            "supervisor_gpu_wake_check_failures_total{engine_id=\"1\",role=\"shadow\"} 0"
-        ),
-        "{metrics}"
+    assert_eq!(
+        metrics.series("supervisor_gpu_wake_check_failures_total{engine_id=\"1\",role=\"shadow\"}"),
+        0.0
     );
     // The GMS still holds the weights, and no read lock was left behind by the check.
     let gst = gms.state().unwrap();

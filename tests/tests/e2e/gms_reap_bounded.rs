@@ -29,10 +29,9 @@ fn scenario() {
     );
     assert_eq!(r.counters.reap_checks, 1, "{r:?}");
     assert_eq!(r.counters.reap_timeouts, 1, "{r:?}");
-    assert!(
-        r.metrics
-            .contains("supervisor_gpu_reap_timeouts_total{engine_id=\"0\",role=\"primary\"} 1"),
-        "{}",
-        r.metrics
+    assert_eq!(
+        harness::metrics::Metrics::parse(&r.metrics)
+            .series("supervisor_gpu_reap_timeouts_total{engine_id=\"0\",role=\"primary\"}"),
+        1.0
     );
 }

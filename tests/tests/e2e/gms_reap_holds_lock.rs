@@ -36,11 +36,9 @@ fn scenario() {
     assert_eq!(r.counters.reap_checks, 1, "{r:?}");
     assert_eq!(r.counters.reap_timeouts, 0, "{r:?}");
     assert_eq!(r.counters.engine_processes_seen, 1, "{r:?}");
-    assert!(
-        r.metrics.contains(
-            "supervisor_gpu_engine_processes_seen_total{engine_id=\"0\",role=\"primary\"} 1"
-        ),
-        "{}",
-        r.metrics
+    assert_eq!(
+        harness::metrics::Metrics::parse(&r.metrics)
+            .series("supervisor_gpu_engine_processes_seen_total{engine_id=\"0\",role=\"primary\"}"),
+        1.0
     );
 }

@@ -28,8 +28,8 @@ fn failing_health_turns_live_and_ready_503() {
     assert_eq!(p.phase(), Some(Phase::Active));
     assert_eq!(c.lockd.holder("engine").as_deref(), Some("engine-0"));
     let m = p.metrics();
-    assert!(
-        m.contains("supervisor_engine_healthy{engine_id=\"0\",role=\"primary\"} 0"),
-        "{m}"
+    assert_eq!(
+        m.series("supervisor_engine_healthy{engine_id=\"0\",role=\"primary\"}"),
+        0.0
     );
 }
