@@ -22,6 +22,26 @@ pub enum FailAt {
     Serve,
 }
 
+/// Which engine's semantics the fake follows where vLLM and SGLang differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Personality {
+    /// vLLM: `/health` answers at once; `/sleep` pauses scheduling, so requests reaching a
+    /// sleeping engine wait for the wake.
+    Vllm,
+    /// SGLang: `/health` generates one token (unless `--health-generation false`); releasing
+    /// memory does not pause scheduling (`/pause_generation` does), and a request that reaches
+    /// the scheduler while memory is released crashes the server.
+    Sglang,
+}
+
+fn flag_bool(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        other => Err(format!("{other:?} is not a boolean (true/false/1/0)")),
+    }
+}
+
 /// Fake vLLM engine.
 #[derive(Debug, Parser)]
 #[command(name = "fake-engine")]
@@ -78,4 +98,32 @@ pub struct Args {
     /// Bytes each process registers on the simulated GPU.
     #[arg(long, env = "FAKE_ENGINE_GPU_SIM_BYTES", default_value_t = 20 << 30)]
     pub gpu_sim_bytes: u64,
+    /// Whose semantics to follow where vLLM and SGLang differ (health, sleeping requests).
+    #[arg(
+        long,
+        env = "FAKE_ENGINE_PERSONALITY",
+        value_enum,
+        default_value = "vllm"
+    )]
+    pub personality: Personality,
+    /// Time one completion spends generating (it is "in flight" meanwhile: `/sleep?mode=abort`
+    /// and `/pause_generation` abort it, SGLang's release asserts there is none).
+    #[arg(long, env = "FAKE_ENGINE_COMPLETION_TIME", value_parser = dur, default_value = "0s")]
+    pub completion_time: Duration,
+    /// Time `POST /collective_rpc {"method":"reload_weights"}` takes (a weight load).
+    #[arg(long, env = "FAKE_ENGINE_RELOAD", value_parser = dur, default_value = "0s")]
+    pub reload: Duration,
+    /// SGLang's `--enable-weights-cpu-backup`: released weights are backed up in host memory
+    /// and restored on resume. Without it resumed weights are undefined (garbage completions).
+    #[arg(long)]
+    pub enable_weights_cpu_backup: bool,
+    /// SGLang personality: whether `/health` generates a token (SGLang's
+    /// `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`, default true): it then answers after 1 s at
+    /// the earliest, and after `SGLANG_HEALTH_CHECK_TIMEOUT` (20 s) with 503 while paused.
+    #[arg(long, env = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", action = clap::ArgAction::Set, value_parser = flag_bool, default_value = "true")]
+    pub health_generation: bool,
+    /// SGLang personality: the generating health check's own limit (SGLang's
+    /// `SGLANG_HEALTH_CHECK_TIMEOUT`, seconds).
+    #[arg(long, env = "SGLANG_HEALTH_CHECK_TIMEOUT", default_value_t = 20)]
+    pub health_check_timeout_secs: u64,
 }

@@ -1,8 +1,12 @@
 //! `fake-engine`: a stand-in for a vLLM server (docs/INTERFACES.md), for tests, the benchmark and
 //! the drill.
 //!
-//! Speaks `/health`, `/sleep?level=N`, `/wake_up`, `/is_sleeping`, `/v1/completions` (and the
-//! SGLang aliases `/release_memory_occupation`, `/resume_memory_occupation`).
+//! Speaks vLLM's `/health`, `/sleep?level=N&mode=M`, `/wake_up[?tags=]`, `/collective_rpc`,
+//! `/is_sleeping`, `/v1/completions` and SGLang's `/pause_generation`, `/continue_generation`,
+//! `/release_memory_occupation`, `/resume_memory_occupation`, with their documented semantics
+//! kept strictly (see [`server`]): a sleeping engine holds requests until the wake, a plain wake
+//! after level 2 serves completions marked `"garbage": true`, SGLang's release with a request in
+//! flight crashes the engine. `--personality sglang` adds SGLang's generating `/health`.
 //!
 //! `--gpu-claim PATH` models exclusive GPU memory (docs/CONTRACTS.md): the file is opened once at
 //! start (one open file description, inherited by every worker); on wake (or on first serve if

@@ -99,23 +99,70 @@ impl HttpCall {
     }
 }
 
+/// What a sleep does with the requests in flight (vLLM's `/sleep?mode=`, vllm/engine/protocol.py
+/// `pause_generation`: `abort` aborts them and returns partial results, `wait` lets them finish,
+/// `keep` freezes them until the wake).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SleepMode {
+    /// Abort in-flight requests (vLLM's default). The first sleep of a shadow in Init uses it:
+    /// nothing is routed to an engine that never was Active.
+    Abort,
+    /// Let in-flight requests finish first: for demoting an engine that served (the driver
+    /// never demotes today).
+    Wait,
+    /// Freeze them; they resume on wake.
+    Keep,
+}
+
+impl SleepMode {
+    /// The query value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SleepMode::Abort => "abort",
+            SleepMode::Wait => "wait",
+            SleepMode::Keep => "keep",
+        }
+    }
+}
+
 /// One engine flavour's endpoints.
 pub trait Adapter: Send + Sync + std::fmt::Debug {
     /// Name (`vllm`, `sglang`).
     fn name(&self) -> &'static str;
     /// Health check: success means healthy.
     fn health(&self) -> HttpCall;
-    /// Put to sleep (offload weights, free KV cache), then confirm.
-    fn sleep(&self) -> Vec<HttpCall>;
+    /// Put to sleep (offload weights, free KV cache) with `mode` for requests in flight, then
+    /// confirm.
+    fn sleep_with(&self, mode: SleepMode) -> Vec<HttpCall>;
+    /// The first sleep (Init): [`SleepMode::Abort`].
+    fn sleep(&self) -> Vec<HttpCall> {
+        self.sleep_with(SleepMode::Abort)
+    }
     /// Wake up, then confirm.
     fn wake(&self) -> Vec<HttpCall>;
 }
 
 /// vLLM with `--enable-sleep-mode` and `VLLM_SERVER_DEV_MODE=1`.
+///
+/// Source: vLLM docs/features/sleep_mode.md and vllm/entrypoints/serve/sleep/api_router.py
+/// (`/sleep?level=&mode=`, `/wake_up?tags=`, `/is_sleeping`), rpc/api_router.py
+/// (`/collective_rpc`).
 #[derive(Clone, Debug)]
 pub struct Vllm {
     /// `/sleep?level=`: 1 offloads weights and drops the KV cache, 2 drops both.
     pub sleep_level: u8,
+}
+
+/// GET `/is_sleeping`, expecting `value`.
+fn is_sleeping(value: bool) -> HttpCall {
+    HttpCall::new(
+        Method::GET,
+        "/is_sleeping",
+        Expect::JsonBool {
+            field: "is_sleeping",
+            value,
+        },
+    )
 }
 
 impl Adapter for Vllm {
@@ -125,40 +172,49 @@ impl Adapter for Vllm {
     fn health(&self) -> HttpCall {
         HttpCall::new(Method::GET, "/health", Expect::Success)
     }
-    fn sleep(&self) -> Vec<HttpCall> {
+    fn sleep_with(&self, mode: SleepMode) -> Vec<HttpCall> {
         vec![
+            // api_router.py: `level` (default 1) and `mode` (default abort) query parameters.
             HttpCall::new(
                 Method::POST,
-                format!("/sleep?level={}", self.sleep_level),
+                format!("/sleep?level={}&mode={}", self.sleep_level, mode.as_str()),
                 Expect::Success,
             ),
-            HttpCall::new(
-                Method::GET,
-                "/is_sleeping",
-                Expect::JsonBool {
-                    field: "is_sleeping",
-                    value: true,
-                },
-            ),
+            // sleep_mode.md: `is_sleeping` reads true while any memory tag sleeps.
+            is_sleeping(true),
         ]
     }
     fn wake(&self) -> Vec<HttpCall> {
+        if self.sleep_level == 1 {
+            // Level 1 backed the weights up in CPU memory: a plain wake restores them.
+            return vec![
+                HttpCall::new(Method::POST, "/wake_up", Expect::Success),
+                is_sleeping(false),
+            ];
+        }
+        // Level 2 discarded the weights; a plain `/wake_up` would remap their memory empty and
+        // serve garbage. sleep_mode.md, "level 2": reallocate the weights only, load them in
+        // place, then reallocate the KV cache.
         vec![
-            HttpCall::new(Method::POST, "/wake_up", Expect::Success),
-            HttpCall::new(
-                Method::GET,
-                "/is_sleeping",
-                Expect::JsonBool {
-                    field: "is_sleeping",
-                    value: false,
-                },
-            ),
+            HttpCall::new(Method::POST, "/wake_up?tags=weights", Expect::Success),
+            HttpCall {
+                json_body: Some(r#"{"method":"reload_weights"}"#),
+                ..HttpCall::new(Method::POST, "/collective_rpc", Expect::Success)
+            },
+            HttpCall::new(Method::POST, "/wake_up?tags=kv_cache", Expect::Success),
+            // sleep_mode.md: true until every sleeping tag is restored.
+            is_sleeping(false),
         ]
     }
 }
 
-/// SGLang with `--enable-memory-saver`. It has no "is sleeping" query, so the 2xx answer of the
-/// release/resume call is the confirmation.
+/// SGLang with `--enable-memory-saver` (and `--enable-weights-cpu-backup`, without which resumed
+/// weights are undefined: python/sglang/srt/server_args.py). It has no "is sleeping" query, so
+/// the 2xx answers are the confirmation.
+///
+/// Source: SGLang docs/advanced_features/sglang_for_rl.md ("Release Memory": the call asserts
+/// there are no ongoing requests; "Pause Generation": pause, then continue),
+/// python/sglang/srt/entrypoints/http_server.py.
 #[derive(Clone, Debug)]
 pub struct Sglang;
 
@@ -167,28 +223,51 @@ impl Adapter for Sglang {
         "sglang"
     }
     fn health(&self) -> HttpCall {
+        // http_server.py `health_generate`: unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is
+        // false it generates one token and answers after 1 s at the earliest (503 after
+        // SGLANG_HEALTH_CHECK_TIMEOUT, 20 s): `--health-timeout` defaults to 25s for sglang.
         HttpCall::new(Method::GET, "/health", Expect::Success)
     }
-    fn sleep(&self) -> Vec<HttpCall> {
-        vec![HttpCall {
-            json_body: Some("{}"),
-            ..HttpCall::new(Method::POST, "/release_memory_occupation", Expect::Success)
-        }]
+    fn sleep_with(&self, _mode: SleepMode) -> Vec<HttpCall> {
+        // SGLang's pause modes are abort, retract and in_place; none waits for requests to
+        // finish, and retract/in_place would leave them frozen in an engine that goes to
+        // sleep: every sleep aborts (sglang_for_rl.md, "Pause Generation").
+        vec![
+            // tokenizer_manager.py `pause_generation`: new requests wait from here on; abort
+            // mode aborts those in flight and returns when none is left, so the release's
+            // idle assertion holds.
+            HttpCall {
+                json_body: Some(r#"{"mode":"abort"}"#),
+                ..HttpCall::new(Method::POST, "/pause_generation", Expect::Success)
+            },
+            HttpCall {
+                json_body: Some(r#"{"tags":["kv_cache","weights"]}"#),
+                ..HttpCall::new(Method::POST, "/release_memory_occupation", Expect::Success)
+            },
+        ]
     }
     fn wake(&self) -> Vec<HttpCall> {
-        vec![HttpCall {
-            json_body: Some("{}"),
-            ..HttpCall::new(Method::POST, "/resume_memory_occupation", Expect::Success)
-        }]
+        vec![
+            HttpCall {
+                json_body: Some(r#"{"tags":["weights","kv_cache"]}"#),
+                ..HttpCall::new(Method::POST, "/resume_memory_occupation", Expect::Success)
+            },
+            // Requests held since the pause run from here on.
+            HttpCall {
+                json_body: Some("{}"),
+                ..HttpCall::new(Method::POST, "/continue_generation", Expect::Success)
+            },
+        ]
     }
 }
 
 /// Adapter kind on the command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum AdapterKind {
-    /// vLLM (`/sleep`, `/wake_up`, `/is_sleeping`).
+    /// vLLM (`/sleep`, `/wake_up`, `/is_sleeping`, `/collective_rpc` for level 2).
     Vllm,
-    /// SGLang (`/release_memory_occupation`, `/resume_memory_occupation`).
+    /// SGLang (`/pause_generation`, `/release_memory_occupation`,
+    /// `/resume_memory_occupation`, `/continue_generation`).
     Sglang,
 }
 
@@ -329,9 +408,14 @@ impl EngineClient {
         self.call(&self.adapter.health(), timeout).await.is_ok()
     }
 
-    /// Put the engine to sleep and confirm.
+    /// Put the engine to sleep and confirm (the first sleep: [`SleepMode::Abort`]).
     pub async fn sleep(&self, timeout: Duration) -> Result<(), AdapterError> {
         self.run(&self.adapter.sleep(), timeout).await
+    }
+
+    /// Put the engine to sleep with `mode` for requests in flight, and confirm.
+    pub async fn sleep_with(&self, mode: SleepMode, timeout: Duration) -> Result<(), AdapterError> {
+        self.run(&self.adapter.sleep_with(mode), timeout).await
     }
 
     /// Wake the engine and confirm.
@@ -344,11 +428,23 @@ impl EngineClient {
 mod tests {
     use super::*;
 
+    fn paths(calls: &[HttpCall]) -> Vec<(Method, &str, Option<&str>)> {
+        calls
+            .iter()
+            .map(|c| (c.method.clone(), c.path.as_str(), c.json_body))
+            .collect()
+    }
+
     #[test]
-    fn vllm_calls() {
-        let v = Vllm { sleep_level: 2 };
-        assert_eq!(v.sleep()[0].path, "/sleep?level=2");
-        assert_eq!(v.sleep()[0].method, Method::POST);
+    fn vllm_level1_calls() {
+        let v = Vllm { sleep_level: 1 };
+        assert_eq!(
+            paths(&v.sleep()),
+            [
+                (Method::POST, "/sleep?level=1&mode=abort", None),
+                (Method::GET, "/is_sleeping", None)
+            ]
+        );
         assert_eq!(
             v.sleep()[1].expect,
             Expect::JsonBool {
@@ -356,16 +452,76 @@ mod tests {
                 value: true
             }
         );
-        assert_eq!(v.wake()[0].path, "/wake_up");
+        assert_eq!(
+            paths(&v.wake()),
+            [
+                (Method::POST, "/wake_up", None),
+                (Method::GET, "/is_sleeping", None)
+            ]
+        );
         assert_eq!(v.health().path, "/health");
     }
 
     #[test]
-    fn sglang_calls() {
+    fn vllm_level2_wakes_weights_reloads_then_kv_cache() {
+        let v = Vllm { sleep_level: 2 };
+        assert_eq!(v.sleep()[0].path, "/sleep?level=2&mode=abort");
+        assert_eq!(
+            v.sleep_with(SleepMode::Wait)[0].path,
+            "/sleep?level=2&mode=wait"
+        );
+        assert_eq!(
+            paths(&v.wake()),
+            [
+                (Method::POST, "/wake_up?tags=weights", None),
+                (
+                    Method::POST,
+                    "/collective_rpc",
+                    Some(r#"{"method":"reload_weights"}"#)
+                ),
+                (Method::POST, "/wake_up?tags=kv_cache", None),
+                (Method::GET, "/is_sleeping", None)
+            ]
+        );
+        assert_eq!(
+            v.wake()[3].expect,
+            Expect::JsonBool {
+                field: "is_sleeping",
+                value: false
+            }
+        );
+    }
+
+    #[test]
+    fn sglang_pauses_before_release_and_continues_after_resume() {
         let s = Sglang;
-        assert_eq!(s.sleep()[0].path, "/release_memory_occupation");
-        assert_eq!(s.wake()[0].path, "/resume_memory_occupation");
-        assert_eq!(s.wake()[0].json_body, Some("{}"));
+        assert_eq!(
+            paths(&s.sleep()),
+            [
+                (
+                    Method::POST,
+                    "/pause_generation",
+                    Some(r#"{"mode":"abort"}"#)
+                ),
+                (
+                    Method::POST,
+                    "/release_memory_occupation",
+                    Some(r#"{"tags":["kv_cache","weights"]}"#)
+                ),
+            ]
+        );
+        assert_eq!(s.sleep_with(SleepMode::Wait), s.sleep());
+        assert_eq!(
+            paths(&s.wake()),
+            [
+                (
+                    Method::POST,
+                    "/resume_memory_occupation",
+                    Some(r#"{"tags":["weights","kv_cache"]}"#)
+                ),
+                (Method::POST, "/continue_generation", Some("{}")),
+            ]
+        );
     }
 
     #[test]

@@ -132,7 +132,10 @@ pub struct RunArgs {
     #[arg(long, env = "SUPERVISOR_SLEEP_TIMEOUT", value_parser = dur, default_value = "5m")]
     pub sleep_timeout: Duration,
 
-    /// vLLM sleep level (1: offload weights, drop KV cache; 2: drop both).
+    /// vLLM sleep level (1: offload weights to CPU memory, drop KV cache; 2: drop both, and
+    /// every wake reloads the weights in place: `/wake_up?tags=weights`, `/collective_rpc
+    /// reload_weights`, `/wake_up?tags=kv_cache`, so `--waking-timeout` must cover a weight
+    /// load).
     #[arg(long, env = "SUPERVISOR_SLEEP_LEVEL", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
     pub sleep_level: u8,
 
@@ -148,8 +151,16 @@ pub struct RunArgs {
     #[arg(long, env = "SUPERVISOR_STARTUP_POLL", value_parser = dur, default_value = "100ms")]
     pub startup_poll: Duration,
 
-    /// One health check's time limit.
-    #[arg(long, env = "SUPERVISOR_HEALTH_TIMEOUT", value_parser = dur, default_value = "1s")]
+    /// One health check's time limit. Default 1s for vllm, 25s for sglang: SGLang's `/health`
+    /// generates a token unless `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`, answering
+    /// after 1 s at the earliest and 503 after its own 20 s (`SGLANG_HEALTH_CHECK_TIMEOUT`).
+    #[arg(
+        long,
+        env = "SUPERVISOR_HEALTH_TIMEOUT",
+        value_parser = dur,
+        default_value = "1s",
+        default_value_if("adapter", "sglang", Some("25s"))
+    )]
     pub health_timeout: Duration,
 
     /// One lockd connection attempt's time limit.
@@ -261,8 +272,56 @@ impl RunArgs {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_bytes, parse_min_free};
+    use super::{parse_bytes, parse_min_free, RunArgs};
+    use clap::Parser;
     use gms_client::checks::MinFree;
+    use std::time::Duration;
+
+    #[derive(Debug, Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    fn run_args(extra: &[&str]) -> RunArgs {
+        let mut argv = vec![
+            "supervisor",
+            "--engine-id",
+            "0",
+            "--role",
+            "shadow",
+            "--lock",
+            "unix:/tmp/x.sock",
+            "--probes",
+            "127.0.0.1:1",
+            "--engine-url",
+            "http://127.0.0.1:2",
+        ];
+        argv.extend_from_slice(extra);
+        argv.extend_from_slice(&["--", "engine"]);
+        Wrap::try_parse_from(argv).expect("parses").run
+    }
+
+    /// SGLang's `/health` generates a token (1 s at the earliest): its default is longer.
+    #[test]
+    fn health_timeout_default_follows_the_adapter() {
+        let t = |a: &[&str]| run_args(a).health_timeout;
+        assert_eq!(t(&["--adapter", "vllm"]), Duration::from_secs(1));
+        assert_eq!(t(&["--adapter", "sglang"]), Duration::from_secs(25));
+        assert_eq!(
+            t(&["--adapter", "sglang", "--health-timeout", "2s"]),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            t(&["--health-timeout", "3s", "--adapter", "vllm"]),
+            Duration::from_secs(3)
+        );
+        // Kubelet-run containers configure the supervisor through the environment.
+        std::env::set_var("SUPERVISOR_ADAPTER", "sglang");
+        let from_env = t(&[]);
+        std::env::remove_var("SUPERVISOR_ADAPTER");
+        assert_eq!(from_env, Duration::from_secs(25));
+    }
 
     #[test]
     fn min_free_memory_forms() {

@@ -44,7 +44,12 @@ fn cold_start_primary_active_shadow_standby() {
     let (code, body) = primary.completion().unwrap();
     assert_eq!(code, 200);
     assert_eq!(body["engine_id"], 0);
-    assert_eq!(shadow.completion().unwrap().0, 503);
+    // Asleep, vLLM holds a request until the wake (scheduling paused,
+    // docs/features/sleep_mode.md): no answer within the client's timeout, while the engine
+    // itself answers and says it sleeps.
+    assert_eq!(shadow.completion(), None, "asleep: a completion waits");
+    let (code, body) = harness::supervisor::get(shadow.engine, "/is_sleeping").unwrap();
+    assert_eq!((code, body.contains("true")), (200, true), "{body}");
 
     // Metrics carry the labels.
     let m = shadow.metrics();

@@ -16,6 +16,7 @@
 //! * environment variables and the working directory: no test changes them (children get
 //!   their environment per `Command`).
 
+mod adapter_sequences;
 mod cold_start;
 mod detached_workers;
 mod detached_workers_outlive_supervisor;
