@@ -259,13 +259,22 @@ fn ok() -> Response<Full<Bytes>> {
 }
 
 fn injected(e: &Engine, at: FailAt) -> Option<Response<Full<Bytes>>> {
-    (e.args.fail_at == Some(at)).then(|| {
-        tracing::error!(target: "fake_engine", engine_id = e.args.engine_id, stage = ?at, "injected failure");
-        reply(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!(r#"{{"error":"injected failure at {at:?}"}}"#).to_lowercase(),
-        )
-    })
+    if e.args.fail_at != Some(at) {
+        return None;
+    }
+    // The log lines tests look for ("injected failure at wake").
+    let id = e.args.engine_id;
+    let body = match at {
+        FailAt::Sleep => {
+            tracing::error!(target: "fake_engine", engine_id = id, "injected failure at sleep");
+            r#"{"error":"injected failure at sleep"}"#
+        }
+        _ => {
+            tracing::error!(target: "fake_engine", engine_id = id, "injected failure at wake");
+            r#"{"error":"injected failure at wake"}"#
+        }
+    };
+    Some(reply(StatusCode::INTERNAL_SERVER_ERROR, body.into()))
 }
 
 /// Query parameters of `uri` as (key, value) pairs (no percent-decoding: the values used here

@@ -51,7 +51,10 @@ fn vllm_level2_wake_reloads_weights_and_serves_text() {
         log.find(needle)
             .unwrap_or_else(|| panic!("{needle:?} not in the shadow's log:\n{log}"))
     };
-    assert!(at("weights reloaded") > at("sleeping"), "{log}");
+    assert!(
+        at("fake_engine: weights reloaded") > at("fake_engine: sleeping"),
+        "{log}"
+    );
 }
 
 #[test]
@@ -115,9 +118,9 @@ fn sglang_pause_release_resume_continue_under_load() {
             .map(|i| i + from)
             .unwrap_or_else(|| panic!("{needle:?} not in the shadow's log:\n{log}"))
     };
-    let paused = at("generation paused", 0);
+    let paused = at("fake_engine: generation paused", 0);
     assert!(
-        at("sleeping", 0) > paused,
+        at("fake_engine: sleeping", 0) > paused,
         "released before pausing:\n{log}"
     );
 
@@ -127,8 +130,10 @@ fn sglang_pause_release_resume_continue_under_load() {
     assert_eq!(code, 200, "{body}");
     assert_real_text(&body, 1);
     let log = shadow.log_text();
-    let woken = log.find("woken").expect("resumed");
-    let continued = log.find("generation continued").expect("continued");
+    let woken = log.find("fake_engine: woken").expect("resumed");
+    let continued = log
+        .find("fake_engine: generation continued")
+        .expect("continued");
     assert!(continued > woken, "continued before resuming:\n{log}");
     assert!(c.violations().is_empty());
 }
