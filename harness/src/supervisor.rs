@@ -149,6 +149,7 @@ impl Sup {
     }
 
     /// POST a completion to the engine directly: (status, body JSON; `Null` if not JSON).
+    /// Panics on a completion marked `"garbage": true` (served from weights never restored).
     pub fn completion(&self) -> Option<(u16, serde_json::Value)> {
         crate::http::post_json(
             &format!("http://{}/v1/completions", self.engine),
@@ -156,10 +157,17 @@ impl Sup {
             HTTP_TIMEOUT,
         )
         .map(|r| {
-            (
-                r.status,
-                serde_json::from_str(&r.body).unwrap_or(serde_json::Value::Null),
-            )
+            let body: serde_json::Value =
+                serde_json::from_str(&r.body).unwrap_or(serde_json::Value::Null);
+            // fake-engine marks completions served from weights that were never restored
+            // (a level-2 wake without the reload, an SGLang resume without a CPU backup):
+            // whatever the test checks next, that is a failed wake.
+            assert_ne!(
+                body.get("garbage"),
+                Some(&serde_json::Value::Bool(true)),
+                "the engine served garbage weights: {body}"
+            );
+            (r.status, body)
         })
     }
 

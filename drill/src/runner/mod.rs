@@ -599,6 +599,14 @@ impl Drill {
                 match observe::http_post_json(addr, "/v1/completions", body, HTTP_TIMEOUT).await {
                     Ok(harness::http::Response { status: 200, body }) => {
                         let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+                        // fake-engine marks a completion served from weights that were never
+                        // restored (a level-2 wake without the reload, an SGLang resume
+                        // without a CPU backup): the wake "worked" but the answers are wrong.
+                        if v.get("garbage").and_then(|g| g.as_bool()) == Some(true) {
+                            self.round_notes.push(format!(
+                                "engine {eid}.{n} served a completion from garbage weights"
+                            ));
+                        }
                         if v.get("engine_id")
                             .and_then(|x| x.as_u64())
                             .is_some_and(|x| x != eid)
