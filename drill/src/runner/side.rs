@@ -199,6 +199,11 @@ impl Launch<'_> {
             "--workers".into(),
             self.args.workers.to_string(),
         ];
+        if self.args.adapter == "sglang" {
+            // As the chart runs SGLang: its semantics (pause before release, a generating
+            // /health), and a CPU copy of the weights so that a resume restores them.
+            v.extend(["--personality", "sglang", "--enable-weights-cpu-backup"].map(String::from));
+        }
         if cfg.detach_workers {
             v.push("--detach-workers".into());
         }
