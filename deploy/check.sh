@@ -125,7 +125,7 @@ if ! command -v haproxy >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get install -y -qq haproxy >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq haproxy >/dev/null; }
 fi
-cargo build --quiet -p lockd -p supervisor -p fake-engine --bins
+cargo build --quiet -p lockd -p supervisor -p fake-engine -p gms-client --bins
 "$PY" deploy/pod_e2e.py --bin-dir "${CARGO_TARGET_DIR:-target}/debug" --manifest deploy/rendered/vllm.yaml
 
 echo "== deploy: derived, not typed: other timeouts, periods and TP sizes"
