@@ -19,7 +19,8 @@ use tokio::task::JoinHandle;
 
 use crate::adapter::{AdapterError, EngineClient};
 use crate::config::RunArgs;
-use crate::machine::{Action, DeadReason, Event, Machine, MachineConfig, State};
+use crate::machine::{Action, DeadReason, Event, Machine, MachineConfig, Role, State};
+use crate::restart::{Decision, RestartPolicy};
 use crate::process::{self, EngineSpec};
 
 /// Errors that stop `supervisor run` before the state machine is running.
@@ -51,7 +52,7 @@ pub enum RunError {
 /// How `supervisor run` ended.
 #[derive(Debug, Clone)]
 pub struct RunOutcome {
-    /// Why the machine went Dead.
+    /// Why the last incarnation went Dead.
     pub reason: DeadReason,
     /// Process exit status (see README.md).
     pub exit_code: i32,
@@ -311,20 +312,63 @@ pub async fn run(args: RunArgs) -> Result<RunOutcome, RunError> {
     run_with_checks(args, checks).await
 }
 
+/// The POSIX signals the supervisor handles, installed once and shared by every incarnation.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    chld: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Signals, RunError> {
+        Ok(Signals {
+            term: signal(SignalKind::terminate()).map_err(RunError::Signals)?,
+            int: signal(SignalKind::interrupt()).map_err(RunError::Signals)?,
+            chld: signal(SignalKind::child()).map_err(RunError::Signals)?,
+        })
+    }
+}
+
+/// Which incarnation of the engine is being run.
+#[derive(Clone, Copy, Debug)]
+struct Incarnation {
+    /// 0 for the first, + 1 per restart (`/state.incarnation`).
+    n: u32,
+    /// `--role` for the first; always `shadow` for a re-armed one (a re-armed engine never
+    /// takes the primary's path: it sleeps, then queues on the lock).
+    role: Role,
+    /// When it began (before its lock connection): the policy's run time is measured from it.
+    started: Instant,
+}
+
+/// How one incarnation ended.
+#[derive(Debug)]
+struct IncarnationEnd {
+    /// Why it went Dead.
+    reason: DeadReason,
+    /// Whether an engine was spawned (and fenced): only then does the last one linger.
+    spawned: bool,
+}
+
 /// [`run`] with given GPU/GMS checks (None: no checks), so that tests can pass checks on a
 /// simulated device (`GpuChecks::with_device`). The flags `--gms`/`--gpu`/... are not read
 /// here: `checks` replaces them.
+///
+/// Runs incarnations of the engine in a loop: each one connects to lockd afresh, spawns its
+/// engine, drives the machine to Dead and fences (every fencing invariant holds per
+/// incarnation: its lock connection closes only after its tree is reaped). Then the pure
+/// restart policy ([`crate::restart`]) decides: a new incarnation as a shadow after a backoff
+/// (probes keep being served, `/state` shows Dead, then Init of the next incarnation), or exit.
 pub async fn run_with_checks(
     args: RunArgs,
     checks: Option<Arc<GpuChecks>>,
 ) -> Result<RunOutcome, RunError> {
     crate::fault::announce();
-    let role = args.role;
     let adapter = args.adapter.build(args.sleep_level);
     let engine_client = EngineClient::new(&args.engine_url, adapter)?;
     process::become_subreaper()?;
 
-    let probe_state = ProbeState::new(Status::new(args.engine_id, role.as_str()));
+    let probe_state = ProbeState::new(Status::new(args.engine_id, args.role.as_str()));
     bump_restart_counter(&args, &probe_state);
     let listener = tokio::net::TcpListener::bind(&args.probes)
         .await
@@ -337,41 +381,159 @@ pub async fn run_with_checks(
         let _ = probe_stop_rx.await;
     }));
 
-    let mut sigterm = signal(SignalKind::terminate()).map_err(RunError::Signals)?;
-    let mut sigint = signal(SignalKind::interrupt()).map_err(RunError::Signals)?;
-    let mut sigchld = signal(SignalKind::child()).map_err(RunError::Signals)?;
+    let mut signals = Signals::install()?;
+    let restart = args.restart_config();
 
     tracing::info!(
         engine_id = args.engine_id,
-        role = role.as_str(),
+        role = args.role.as_str(),
         lock = %args.lock,
         resource = %args.resource,
         probes = %args.probes,
+        restart = restart.mode.as_str(),
+        crash_loop_limit = restart.crash_loop_limit,
         "supervisor starting"
     );
 
+    let mut policy = RestartPolicy::new(restart);
+    let mut inc = Incarnation {
+        n: 0,
+        role: args.role,
+        started: Instant::now(),
+    };
+    loop {
+        let end = run_incarnation(
+            &args,
+            inc,
+            checks.as_ref(),
+            &engine_client,
+            &probe_state,
+            &mut signals,
+            &policy,
+        )
+        .await?;
+        let ran = inc.started.elapsed();
+        match policy.decide(&end.reason, ran) {
+            Decision::GiveUp { exit_code, why } => {
+                probe_state.write().gave_up = true;
+                tracing::info!(
+                    incarnation = inc.n,
+                    restarts = policy.total(),
+                    why = why.as_str(),
+                    reason = %end.reason,
+                    "not restarting the engine"
+                );
+                if end.spawned {
+                    linger_and_stop(&args, probe_stop_tx, probe_task).await;
+                } else {
+                    stop_probes(probe_stop_tx, probe_task).await;
+                }
+                tracing::info!(exit_code, reason = %end.reason, "supervisor exiting");
+                return Ok(RunOutcome {
+                    exit_code,
+                    reason: end.reason,
+                });
+            }
+            Decision::Restart { after } => {
+                probe_state.metrics().restart(end.reason.kind());
+                tracing::warn!(
+                    incarnation = inc.n,
+                    ran_ms = ran.as_millis() as u64,
+                    reason = %end.reason,
+                    backoff_ms = after.as_millis() as u64,
+                    consecutive = policy.consecutive(),
+                    limit = restart.crash_loop_limit,
+                    "engine incarnation over; re-arming a new one as a shadow after the backoff"
+                );
+                let stopped = tokio::select! {
+                    _ = tokio::time::sleep(after) => false,
+                    _ = signals.term.recv() => { tracing::info!("SIGTERM received during the restart backoff"); true }
+                    _ = signals.int.recv() => { tracing::info!("SIGINT received during the restart backoff"); true }
+                };
+                if stopped {
+                    probe_state.write().gave_up = true;
+                    stop_probes(probe_stop_tx, probe_task).await;
+                    tracing::info!(exit_code = 0, "supervisor exiting");
+                    return Ok(RunOutcome {
+                        exit_code: DeadReason::Stopped.exit_code(),
+                        reason: DeadReason::Stopped,
+                    });
+                }
+                inc = Incarnation {
+                    n: inc.n + 1,
+                    role: Role::Shadow,
+                    started: Instant::now(),
+                };
+                rearm(&args, inc, policy.total(), &probe_state);
+            }
+        }
+    }
+}
+
+/// `/state` and the metrics for incarnation `inc` (Dead -> Init): a fresh epoch, pid and
+/// marks (`transitions` keeps the whole history), the shadow role.
+fn rearm(args: &RunArgs, inc: Incarnation, restarts: u32, state: &ProbeState) {
+    {
+        let mut s = state.write();
+        s.incarnation = inc.n;
+        s.restarts = restarts;
+        s.role = inc.role.as_str().to_string();
+        s.epoch = None;
+        s.engine_pid = None;
+        s.engine_healthy = false;
+        s.dead_reason = None;
+        s.marks.clear();
+        s.gave_up = false;
+        // Refined once the engine is spawned (the machine's own Init deadline).
+        s.startup_deadline = Some(inc.started + args.startup_timeout);
+    }
+    state.metrics().lock_epoch.store(0, Ordering::Relaxed);
+    let at = state.enter(Phase::Init, None);
+    tracing::info!(
+        engine_id = args.engine_id,
+        role = inc.role.as_str(),
+        incarnation = inc.n,
+        restarts,
+        from = "dead",
+        to = "init",
+        at_unix_us = at,
+        "transition"
+    );
+}
+
+/// One incarnation: a fresh lock connection and anchor, the engine spawned, the machine driven
+/// to Dead, then fencing: kill and reap the whole tree, THEN close the lock connection.
+async fn run_incarnation(
+    args: &RunArgs,
+    inc: Incarnation,
+    checks: Option<&Arc<GpuChecks>>,
+    engine_client: &EngineClient,
+    probe_state: &ProbeState,
+    signals: &mut Signals,
+    policy: &RestartPolicy,
+) -> Result<IncarnationEnd, RunError> {
     // 1. The lock connection first, so that the engine can inherit it, with the anchor
     //    attached (lockd then holds the lease until every holder of the anchor's peer is gone).
-    let anchor = anchor_for(&args);
+    let anchor = anchor_for(args);
     let (anchor_keep, anchor_inherit) = match anchor {
         Some((k, i)) => (Some(Arc::new(k)), Some(i)),
         None => (None, None),
     };
     let anchored = anchor_keep.is_some();
     let mut lock = tokio::select! {
-        r = connect_lock(&args, anchor_keep) => match r {
+        r = connect_lock(args, anchor_keep) => match r {
             Ok(c) => c,
             Err(e) => {
-                tracing::error!(error = %e, "giving up: lockd unreachable");
+                tracing::error!(error = %e, "lockd unreachable");
                 let reason = DeadReason::LockUnavailable(e);
-                return Ok(finish_without_engine(&probe_state, reason, probe_stop_tx, probe_task).await);
+                return Ok(end_without_engine(probe_state, policy, inc.started, reason));
             }
         },
-        _ = sigterm.recv() => {
-            return Ok(finish_without_engine(&probe_state, DeadReason::Stopped, probe_stop_tx, probe_task).await);
+        _ = signals.term.recv() => {
+            return Ok(end_without_engine(probe_state, policy, inc.started, DeadReason::Stopped));
         }
-        _ = sigint.recv() => {
-            return Ok(finish_without_engine(&probe_state, DeadReason::Stopped, probe_stop_tx, probe_task).await);
+        _ = signals.int.recv() => {
+            return Ok(end_without_engine(probe_state, policy, inc.started, DeadReason::Stopped));
         }
     };
     probe_state.write().lock_connected = true;
@@ -383,7 +545,7 @@ pub async fn run_with_checks(
     let anchor_fd = anchor_inherit.as_ref().map(|f| f.as_raw_fd());
     let spec = EngineSpec {
         argv: args.cmd.clone(),
-        env: engine_env(&args, lock_fd.as_raw_fd(), anchor_fd),
+        env: engine_env(args, lock_fd.as_raw_fd(), anchor_fd),
         pid_namespace: args.pid_namespace,
     };
     let mut inherit = vec![lock_fd.as_raw_fd()];
@@ -404,14 +566,21 @@ pub async fn run_with_checks(
     tracing::info!(pid = engine.pid, cmd = ?args.cmd, "engine spawned");
 
     let (health_task, mut health_rx) =
-        spawn_health(engine_client.clone(), probe_state.clone(), &args);
+        spawn_health(engine_client.clone(), probe_state.clone(), args);
     let mcfg = MachineConfig {
-        role,
+        role: inc.role,
         startup_timeout: args.startup_timeout,
         waking_timeout: args.waking_timeout,
         wake_checks: checks.is_some(),
     };
     let mut machine = Machine::new(mcfg, Instant::now());
+    {
+        // The supervisor is up (`/startup` 200 from now on); `/live` bounds Init by this
+        // incarnation's startup budget.
+        let mut s = probe_state.write();
+        s.started = true;
+        s.startup_deadline = machine.state.deadline().map(|(_, at)| at);
+    }
     let mut op: Option<(Op, JoinHandle<Result<(), AdapterError>>)> = None;
     let mut granted_at: Option<Instant> = None;
     let mut waking_at: Option<Instant> = None;
@@ -425,7 +594,7 @@ pub async fn run_with_checks(
     let mut pin_tick = tokio::time::interval(PIN_INTERVAL);
     pin_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     if anchored {
-        pin_tree(&mut pins, &mut lock, &probe_state).await;
+        pin_tree(&mut pins, &mut lock, probe_state).await;
     }
     // Events produced while carrying out actions (e.g. a failed acquire), handled first.
     let mut pending: VecDeque<Event> = VecDeque::new();
@@ -449,16 +618,16 @@ pub async fn run_with_checks(
                 Some(Event::EngineExited(st))
             }
             ev = lock.next_event() => match ev {
-                Some(ev) => lock_event(ev, &probe_state),
+                Some(ev) => lock_event(ev, probe_state),
                 None => Some(Event::LockClosed("lock client closed".into())),
             },
-            _ = sigterm.recv() => { tracing::info!("SIGTERM received"); Some(Event::Terminate) }
-            _ = sigint.recv() => { tracing::info!("SIGINT received"); Some(Event::Terminate) }
+            _ = signals.term.recv() => { tracing::info!("SIGTERM received"); Some(Event::Terminate) }
+            _ = signals.int.recv() => { tracing::info!("SIGINT received"); Some(Event::Terminate) }
             _ = pin_tick.tick(), if anchored && !engine_gone => {
-                pin_tree(&mut pins, &mut lock, &probe_state).await;
+                pin_tree(&mut pins, &mut lock, probe_state).await;
                 None
             }
-            _ = sigchld.recv() => {
+            _ = signals.chld.recv() => {
                 for pid in process::reap_orphans(engine.pid) {
                     tracing::info!(pid, "reaped orphaned engine descendant");
                 }
@@ -480,8 +649,8 @@ pub async fn run_with_checks(
             }
             r = async { wake_check.as_mut().expect("guarded").await }, if wake_check.is_some() => {
                 wake_check = None;
-                if let Some(c) = &checks {
-                    sync_check_metrics(c, &probe_state);
+                if let Some(c) = checks {
+                    sync_check_metrics(c, probe_state);
                 }
                 // The check has logged what it saw (and, on failure, its cause) already.
                 match r {
@@ -549,6 +718,12 @@ pub async fn run_with_checks(
                 State::Waking { deadline, .. } => Some(*deadline),
                 _ => None,
             };
+            if let State::Dead(r) = &machine.state {
+                // `/live` in Dead: 200 while a new incarnation will follow, 503 once the
+                // supervisor is giving up (it exits after fencing).
+                let gave_up = policy.would_give_up(r, now.saturating_duration_since(inc.started));
+                probe_state.write().gave_up = gave_up;
+            }
             if after == Phase::Active {
                 // The wake was just confirmed by the engine (or, for a primary that never
                 // slept, its health check just passed): it is healthy now.
@@ -570,7 +745,8 @@ pub async fn run_with_checks(
             }
             tracing::info!(
                 engine_id = args.engine_id,
-                role = role.as_str(),
+                role = inc.role.as_str(),
+                incarnation = inc.n,
                 from = before.as_str(),
                 to = after.as_str(),
                 event = ?event,
@@ -590,7 +766,7 @@ pub async fn run_with_checks(
                 Action::Sleep => {
                     let c = engine_client.clone();
                     let t = args.sleep_timeout;
-                    let gpu = checks.clone();
+                    let gpu = checks.cloned();
                     tracing::info!("putting engine to sleep");
                     op = Some((
                         Op::Sleep,
@@ -614,7 +790,7 @@ pub async fn run_with_checks(
                     op = Some((Op::Wake, tokio::spawn(async move { c.wake(t).await })));
                 }
                 Action::RememberLayout => {
-                    if let Some(c) = checks.clone() {
+                    if let Some(c) = checks.cloned() {
                         standby_check = Some(tokio::spawn(async move {
                             // Informational: before_wake checks "committed" without it.
                             if let Err(e) = c.at_standby().await {
@@ -624,7 +800,7 @@ pub async fn run_with_checks(
                     }
                 }
                 Action::CheckBeforeWake => {
-                    if let Some(c) = checks.clone() {
+                    if let Some(c) = checks.cloned() {
                         let standby = standby_check.take();
                         probe_state.mark(probes::MarkKind::GpuCheckStarted);
                         tracing::info!("lock granted: checking GMS/GPU before waking the engine");
@@ -673,6 +849,10 @@ pub async fn run_with_checks(
     #[cfg(any(debug_assertions, feature = "planted-bugs"))]
     crate::fault::planted_bug_early_release(&mut lock, &args.resource).await;
     let report = process::fence(&mut engine, reason.urgent(), args.stop_grace).await;
+    if let Some(k) = keeper.take() {
+        // The keeper exits once the engine has (it polls its pid); reaped on SIGCHLD.
+        tracing::debug!(pid = k.pid, "lock keeper left to exit with the engine");
+    }
     probe_state.mark(probes::MarkKind::Fenced);
     probe_state
         .metrics()
@@ -689,24 +869,21 @@ pub async fn run_with_checks(
     );
     // 4. GPU memory: the tree is dead and reaped; if we held the lock, wait (bounded) until the
     //    device shows the engine's memory released BEFORE letting the lock go (Decision 7).
-    if let Some(c) = &checks {
+    if let Some(c) = checks {
         let held = granted_at.is_some()
             && !matches!(reason, DeadReason::LockLost(_) | DeadReason::Revoked(_));
         if held {
-            after_reap_check(c, &report.pids, &args, &probe_state).await;
+            after_reap_check(c, &report.pids, args, probe_state).await;
         }
     }
     lock.close().await;
     probe_state.write().lock_connected = false;
     probe_state.mark(probes::MarkKind::LockClosed);
     tracing::info!("lock connection closed");
-    let outcome = RunOutcome {
-        exit_code: reason.exit_code(),
+    Ok(IncarnationEnd {
         reason,
-    };
-    linger_and_stop(&args, probe_stop_tx, probe_task).await;
-    tracing::info!(exit_code = outcome.exit_code, reason = %outcome.reason, "supervisor exiting");
-    Ok(outcome)
+        spawned: true,
+    })
 }
 
 /// `GpuChecks::after_reap` with the pids fencing saw. A timeout is logged at error and counted,
@@ -754,19 +931,30 @@ async fn linger_and_stop(
     let _ = tokio::time::timeout(Duration::from_secs(1), task).await;
 }
 
-async fn finish_without_engine(
-    state: &ProbeState,
-    reason: DeadReason,
+async fn stop_probes(
     stop: tokio::sync::oneshot::Sender<()>,
     task: JoinHandle<Result<(), probes::ProbeError>>,
-) -> RunOutcome {
-    state.write().dead_reason = Some(reason.to_string());
-    state.enter(Phase::Dead, None);
-    tracing::info!(from = "init", to = "dead", reason = %reason, "transition");
+) {
     let _ = stop.send(());
     let _ = tokio::time::timeout(Duration::from_secs(1), task).await;
-    RunOutcome {
-        exit_code: reason.exit_code(),
+}
+
+/// An incarnation that ended before its engine was spawned (lockd unreachable, or a stop).
+fn end_without_engine(
+    state: &ProbeState,
+    policy: &RestartPolicy,
+    started: Instant,
+    reason: DeadReason,
+) -> IncarnationEnd {
+    {
+        let mut s = state.write();
+        s.dead_reason = Some(reason.to_string());
+        s.gave_up = policy.would_give_up(&reason, started.elapsed());
+    }
+    state.enter(Phase::Dead, None);
+    tracing::info!(from = "init", to = "dead", reason = %reason, "transition");
+    IncarnationEnd {
         reason,
+        spawned: false,
     }
 }

@@ -17,6 +17,7 @@
 //!   their environment per `Command`).
 
 mod cold_start;
+mod crash_loop;
 mod detached_workers;
 mod detached_workers_outlive_supervisor;
 mod drill_ci;
@@ -36,6 +37,7 @@ mod lock_keeper_after_reconnect;
 mod lockd_gone;
 mod lockd_restart;
 mod pid_namespace;
+mod rearm;
 mod revoke;
 mod sglang_adapter;
 mod spawned_workers_anchor;
