@@ -90,7 +90,9 @@ mod tests {
                             Phase::Standby | Phase::Waking => true,
                             Phase::Active => healthy,
                         };
-                        let what = format!("{phase} healthy={healthy} started={started} gave_up={gave_up}");
+                        let what = format!(
+                            "{phase} healthy={healthy} started={started} gave_up={gave_up}"
+                        );
                         assert_eq!(live(&v, now), expect_live, "live {what}");
                         assert_eq!(
                             ready(&v, now),

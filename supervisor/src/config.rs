@@ -222,7 +222,12 @@ pub struct RunArgs {
     /// After the engine died and was fenced: `on-failure` starts a new incarnation of it as a
     /// shadow (after a backoff, up to `--crash-loop-limit`); `never` exits right after fencing
     /// (the first version's behaviour). A requested stop (SIGTERM/SIGINT) never restarts.
-    #[arg(long, env = "SUPERVISOR_RESTART", value_enum, default_value = "on-failure")]
+    #[arg(
+        long,
+        env = "SUPERVISOR_RESTART",
+        value_enum,
+        default_value = "on-failure"
+    )]
     pub restart: RestartMode,
 
     /// First delay before a new incarnation; doubles with every restart without a reset.

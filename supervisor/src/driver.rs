@@ -20,8 +20,8 @@ use tokio::task::JoinHandle;
 use crate::adapter::{AdapterError, EngineClient};
 use crate::config::RunArgs;
 use crate::machine::{Action, DeadReason, Event, Machine, MachineConfig, Role, State};
-use crate::restart::{Decision, RestartPolicy};
 use crate::process::{self, EngineSpec};
+use crate::restart::{Decision, RestartPolicy};
 
 /// Errors that stop `supervisor run` before the state machine is running.
 #[derive(Debug, thiserror::Error)]
@@ -572,6 +572,7 @@ async fn run_incarnation(
         startup_timeout: args.startup_timeout,
         waking_timeout: args.waking_timeout,
         wake_checks: checks.is_some(),
+        anchored,
     };
     let mut machine = Machine::new(mcfg, Instant::now());
     {
@@ -603,7 +604,7 @@ async fn run_incarnation(
     // `GpuChecks::before_wake` in flight (its result becomes WakeCheckPassed/Failed).
     let mut wake_check: Option<JoinHandle<Result<WakeReport, CheckError>>> = None;
 
-    let reason = 'main: loop {
+    let (reason, lease_held) = 'main: loop {
         let deadline = machine.state.deadline();
         let event = if let Some(ev) = pending.pop_front() {
             Some(ev)
@@ -685,29 +686,6 @@ async fn run_incarnation(
             // The client attached the anchor to the new connection before reclaiming: the
             // reclaimed lease stays bound to every process of the engine's tree.
             probe_state.mark(probes::MarkKind::LockAnchorReattached);
-        }
-        if event == Event::LockReconnected && !anchored {
-            // The engine holds a duplicate of the old connection only: hand the new one to a
-            // keeper that lives until the engine has exited.
-            match lock
-                .inheritable_fd()
-                .and_then(|fd| process::spawn_keeper(&fd, &engine))
-            {
-                Ok(k) => {
-                    tracing::info!(pid = k.pid, "lock keeper holds the new lock connection");
-                    probe_state.mark(probes::MarkKind::LockKeeperSpawned);
-                    if let Some(old) = keeper.replace(k) {
-                        // Our own child; reaped on SIGCHLD.
-                        let _ = nix::sys::signal::kill(
-                            nix::unistd::Pid::from_raw(old.pid),
-                            nix::sys::signal::Signal::SIGKILL,
-                        );
-                    }
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot start a lock keeper; a supervisor crash now releases the lock before the engine is dead")
-                }
-            }
         }
         let before = machine.state.phase();
         let now = Instant::now();
@@ -824,7 +802,33 @@ async fn run_incarnation(
                     probe_state.write().epoch = Some(e);
                     probe_state.metrics().lock_epoch.store(e, Ordering::Relaxed);
                 }
-                Action::Fence(r) => break 'main r,
+                Action::SpawnKeeper => {
+                    // The engine holds a duplicate of the old connection only: hand the new
+                    // one to a keeper that lives until the engine has exited.
+                    match lock
+                        .inheritable_fd()
+                        .and_then(|fd| process::spawn_keeper(&fd, &engine))
+                    {
+                        Ok(k) => {
+                            tracing::info!(
+                                pid = k.pid,
+                                "lock keeper holds the new lock connection"
+                            );
+                            probe_state.mark(probes::MarkKind::LockKeeperSpawned);
+                            if let Some(old) = keeper.replace(k) {
+                                // Our own child; reaped on SIGCHLD.
+                                let _ = nix::sys::signal::kill(
+                                    nix::unistd::Pid::from_raw(old.pid),
+                                    nix::sys::signal::Signal::SIGKILL,
+                                );
+                            }
+                        }
+                        Err(e) => {
+                            tracing::error!(error = %e, "cannot start a lock keeper; a supervisor crash now releases the lock before the engine is dead")
+                        }
+                    }
+                }
+                Action::Fence { reason, lease_held } => break 'main (reason, lease_held),
             }
         }
     };
@@ -870,9 +874,7 @@ async fn run_incarnation(
     // 4. GPU memory: the tree is dead and reaped; if we held the lock, wait (bounded) until the
     //    device shows the engine's memory released BEFORE letting the lock go (Decision 7).
     if let Some(c) = checks {
-        let held = granted_at.is_some()
-            && !matches!(reason, DeadReason::LockLost(_) | DeadReason::Revoked(_));
-        if held {
+        if lease_held {
             after_reap_check(c, &report.pids, args, probe_state).await;
         }
     }

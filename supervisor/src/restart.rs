@@ -143,10 +143,7 @@ impl RestartPolicy {
     /// Whether the next end of an incarnation that has run `ran` so far gives up: what
     /// `/live` answers in Dead before the decision is taken (a pure look-ahead, no change).
     pub fn would_give_up(&self, reason: &DeadReason, ran: Duration) -> bool {
-        matches!(
-            self.clone().decide(reason, ran),
-            Decision::GiveUp { .. }
-        )
+        matches!(self.clone().decide(reason, ran), Decision::GiveUp { .. })
     }
 
     /// An incarnation ended with `reason` after running `ran`: restart or give up.
@@ -238,7 +235,10 @@ mod tests {
         }
         assert_eq!(p.consecutive(), 4);
         // Just under the reset interval: no reset, the doubling goes on.
-        assert_eq!(restart(p.decide(&crash(), 600 * S - Duration::from_millis(1))), 16 * S);
+        assert_eq!(
+            restart(p.decide(&crash(), 600 * S - Duration::from_millis(1))),
+            16 * S
+        );
         // At the interval: back to the first delay.
         assert_eq!(restart(p.decide(&crash(), 600 * S)), S);
         assert_eq!(p.consecutive(), 1);

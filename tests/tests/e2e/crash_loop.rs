@@ -47,7 +47,11 @@ fn an_engine_failing_at_init_restarts_with_backoff_then_the_supervisor_gives_up(
         if let Some(st) = s.proc.wait_exit(Duration::from_millis(5)) {
             break st;
         }
-        assert!(t0.elapsed() < T, "supervisor still running{}", c.dump_logs());
+        assert!(
+            t0.elapsed() < T,
+            "supervisor still running{}",
+            c.dump_logs()
+        );
         if let Some(doc) = s.state() {
             let at = (doc.incarnation, doc.state);
             if seen.last() != Some(&at) {

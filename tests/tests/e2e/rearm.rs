@@ -157,11 +157,18 @@ fn killed_engine_rearms_as_shadow_and_takes_over_the_next_failover() {
         "engine 1 did not re-arm{}",
         c.dump_logs()
     );
-    assert!(b0.iter().all(|p| !alive(*p)), "old engine 1 processes alive");
+    assert!(
+        b0.iter().all(|p| !alive(*p)),
+        "old engine 1 processes alive"
+    );
 
     let (bad, n) = sampler.finish();
     assert!(n >= 20, "only {n} /live samples");
-    assert!(bad.is_empty(), "/live not 200 during re-arming: {bad:?}{}", c.dump_logs());
+    assert!(
+        bad.is_empty(),
+        "/live not 200 during re-arming: {bad:?}{}",
+        c.dump_logs()
+    );
     assert!(c.violations().is_empty(), "split brain: {}", c.violations());
 
     // A requested stop ends the supervisor (exit 0), no re-arm.
