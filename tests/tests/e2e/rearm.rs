@@ -17,11 +17,14 @@ use procfs::alive;
 
 const T: Duration = Duration::from_secs(20);
 
+/// The samples that were not a 200, and how many samples were taken.
+type LiveSamples = (Vec<(SocketAddr, Option<u16>)>, usize);
+
 /// Samples `/live` on every address every ~20 ms until stopped: (address, answer) of every
 /// sample that was not a 200 (`None`: no answer), and the number of samples.
 struct LiveSampler {
     stop: Arc<AtomicBool>,
-    handle: std::thread::JoinHandle<(Vec<(SocketAddr, Option<u16>)>, usize)>,
+    handle: std::thread::JoinHandle<LiveSamples>,
 }
 
 impl LiveSampler {
@@ -45,7 +48,7 @@ impl LiveSampler {
         LiveSampler { stop, handle }
     }
 
-    fn finish(self) -> (Vec<(SocketAddr, Option<u16>)>, usize) {
+    fn finish(self) -> LiveSamples {
         self.stop.store(true, Ordering::Relaxed);
         self.handle.join().expect("sampler thread")
     }
