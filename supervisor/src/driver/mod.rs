@@ -4,24 +4,30 @@
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gms_client::checks::{CheckError, GpuChecks, WakeReport};
 
-use lockd::client::{ClientOptions, LockClient, LockEvent};
 use probes::{Phase, ProbeState, Status};
 use tokio::signal::unix::{signal, SignalKind};
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::adapter::{AdapterError, EngineClient};
 use crate::config::RunArgs;
 use crate::machine::{Action, DeadReason, Event, Machine, MachineConfig, Role, State};
 use crate::process::{self, EngineSpec};
+
+mod fence;
+mod sources;
+mod telemetry;
+
 use crate::restart::{Decision, RestartPolicy};
+use fence::after_reap_check;
+use sources::{anchor_for, connect_lock, lock_event, pin_tree, spawn_health, PIN_INTERVAL};
+use telemetry::{bump_restart_counter, sync_check_metrics};
 
 /// Errors that stop `supervisor run` before the state machine is running.
 #[derive(Debug, thiserror::Error)]
@@ -80,212 +86,6 @@ fn engine_env(args: &RunArgs, lock_fd: i32, anchor_fd: Option<i32>) -> Vec<(OsSt
         env.push(("LOCKD_ANCHOR_FD".into(), fd.to_string().into()));
     }
     env
-}
-
-/// How often the engine's tree is scanned for new processes to pin as lockd process anchors.
-const PIN_INTERVAL: Duration = Duration::from_millis(100);
-
-/// Attach a process anchor to the lock session for every new process of the engine's tree.
-async fn pin_tree(pins: &mut process::TreePins, lock: &mut LockClient, state: &ProbeState) {
-    let new = pins.scan();
-    if new.is_empty() {
-        return;
-    }
-    let pids: Vec<i32> = new.iter().map(|(p, _)| *p).collect();
-    for (pid, fd) in new {
-        if let Err(e) = lock.add_process_anchor(fd).await {
-            tracing::error!(pid, error = %e, "cannot attach a process anchor");
-        }
-    }
-    state.mark(probes::MarkKind::ProcessAnchorsAttached);
-    tracing::info!(pids = ?pids, "engine processes pinned as lock anchors");
-}
-
-/// The anchor pair for this run: `(keep, inherit)`, or None where anchors cannot be used
-/// (a `tcp:` lockd endpoint: file descriptors do not cross TCP; see ARCHITECTURE.md).
-///
-/// lockd holds `keep` (re-attached on every reconnect) and the engine inherits `inherit`: the
-/// lease is then held until every process of the engine's tree that inherited it is dead,
-/// whatever happens to the supervisor or to lockd's connection.
-fn anchor_for(args: &RunArgs) -> Option<(OwnedFd, OwnedFd)> {
-    if !matches!(args.lock, lockd::Endpoint::Unix(_)) {
-        tracing::warn!(lock = %args.lock, "lockd over TCP: no anchor; after a lockd restart the lease is bound to a lock keeper that covers the engine's main process only");
-        return None;
-    }
-    #[cfg(any(debug_assertions, feature = "planted-bugs"))]
-    if crate::fault::planted_bug_no_anchor() {
-        tracing::warn!("PLANTED BUG: running without an anchor");
-        return None;
-    }
-    match lockd::client::anchor_pair() {
-        Ok(p) => Some(p),
-        Err(e) => {
-            tracing::error!(error = %e, "cannot create the anchor socket pair; the lease is bound to the lock connection only");
-            None
-        }
-    }
-}
-
-fn bump_restart_counter(args: &RunArgs, state: &ProbeState) {
-    let Some(path) = &args.restart_counter else {
-        return;
-    };
-    let prev: u64 = std::fs::read_to_string(path)
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(0);
-    state
-        .metrics()
-        .engine_restarts
-        .store(prev, Ordering::Relaxed);
-    let tmp = path.with_extension("tmp");
-    let res =
-        std::fs::write(&tmp, format!("{}\n", prev + 1)).and_then(|_| std::fs::rename(&tmp, path));
-    if let Err(e) = res {
-        tracing::warn!(path = %path.display(), error = %e, "cannot update restart counter");
-    }
-}
-
-/// Connect to lockd, retrying until `args.lock_wait` has passed (lockd may start after us).
-async fn connect_lock(args: &RunArgs, anchor: Option<Arc<OwnedFd>>) -> Result<LockClient, String> {
-    let deadline = Instant::now() + args.lock_wait;
-    // `..default()` keeps this compiling if lockd adds options.
-    #[allow(clippy::needless_update)]
-    let opts = ClientOptions {
-        connect_timeout: args.lock_connect_timeout,
-        reconnect_timeout: args.lock_reconnect_timeout,
-        label: Some(args.holder_name()),
-        anchor,
-        ..ClientOptions::default()
-    };
-    let mut attempt = 0u32;
-    loop {
-        attempt += 1;
-        match LockClient::connect(&args.lock, opts.clone()).await {
-            Ok(c) => return Ok(c),
-            Err(e) => {
-                if Instant::now() >= deadline {
-                    return Err(format!("cannot connect to lockd at {}: {e}", args.lock));
-                }
-                if attempt == 1 || attempt % 10 == 0 {
-                    tracing::warn!(lock = %args.lock, error = %e, attempt, "lockd not reachable yet; retrying");
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        }
-    }
-}
-
-/// Background health polling: writes the result into the probe state (probes never call the
-/// engine) and publishes it on a watch channel for the driver.
-fn spawn_health(
-    client: EngineClient,
-    state: ProbeState,
-    args: &RunArgs,
-) -> (JoinHandle<()>, watch::Receiver<bool>) {
-    let (tx, rx) = watch::channel(false);
-    let (startup_poll, interval, timeout) =
-        (args.startup_poll, args.health_interval, args.health_timeout);
-    let h = tokio::spawn(async move {
-        let mut ever = false;
-        loop {
-            let ok = client.healthy(timeout).await;
-            let was = {
-                let mut s = state.write();
-                std::mem::replace(&mut s.engine_healthy, ok)
-            };
-            if !ok && ever {
-                state
-                    .metrics()
-                    .health_check_failures
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-            if was != ok && ever {
-                tracing::info!(healthy = ok, "engine health changed");
-            }
-            ever |= ok;
-            tx.send_if_modified(|v| std::mem::replace(v, ok) != ok);
-            tokio::time::sleep(if ever { interval } else { startup_poll }).await;
-        }
-    });
-    (h, rx)
-}
-
-/// Map a lock client event to a machine event (None: informational only).
-fn lock_event(ev: LockEvent, state: &ProbeState) -> Option<Event> {
-    match ev {
-        LockEvent::Queued { resource, position } => {
-            tracing::info!(%resource, position, "queued for the lock");
-            None
-        }
-        LockEvent::Busy { resource, holder } => {
-            tracing::info!(%resource, holder = holder.as_deref().unwrap_or("?"), "lock busy");
-            Some(Event::LockBusy)
-        }
-        LockEvent::Granted {
-            resource,
-            epoch,
-            reclaimed,
-        } => {
-            tracing::info!(%resource, epoch, reclaimed, "lock granted");
-            state.mark(if reclaimed {
-                probes::MarkKind::LockReclaimed
-            } else {
-                probes::MarkKind::LockGranted
-            });
-            Some(Event::LockGranted { epoch, reclaimed })
-        }
-        LockEvent::Revoked {
-            resource,
-            epoch,
-            reason,
-        } => {
-            tracing::warn!(%resource, epoch, %reason, "lock revoked");
-            Some(Event::Revoked(reason))
-        }
-        LockEvent::Disconnected { cause } => {
-            tracing::warn!(%cause, "lock connection broken; reconnecting");
-            state.write().lock_connected = false;
-            state
-                .metrics()
-                .lock_disconnects
-                .fetch_add(1, Ordering::Relaxed);
-            state.mark(probes::MarkKind::LockDisconnected);
-            Some(Event::LockDisconnected)
-        }
-        LockEvent::Reconnected => {
-            tracing::info!("lock connection re-established");
-            state.write().lock_connected = true;
-            state.mark(probes::MarkKind::LockReconnected);
-            Some(Event::LockReconnected)
-        }
-        LockEvent::Lost {
-            resource,
-            epoch,
-            cause,
-        } => {
-            tracing::error!(%resource, epoch, %cause, "lock lost");
-            Some(Event::LockLost(cause))
-        }
-        LockEvent::Error { code, message } => {
-            tracing::error!(%code, %message, "lockd error");
-            Some(Event::LockError(format!("lockd error {code}: {message}")))
-        }
-    }
-}
-
-/// Copy the GPU checks' counters into the `/metrics` registry.
-fn sync_check_metrics(checks: &GpuChecks, state: &ProbeState) {
-    let c = checks.counters();
-    let m = state.metrics();
-    m.gpu_wake_checks.store(c.wake_checks, Ordering::Relaxed);
-    m.gpu_wake_check_failures
-        .store(c.wake_failures, Ordering::Relaxed);
-    m.gpu_reap_checks.store(c.reap_checks, Ordering::Relaxed);
-    m.gpu_reap_timeouts
-        .store(c.reap_timeouts, Ordering::Relaxed);
-    m.gpu_engine_processes_seen
-        .store(c.engine_processes_seen, Ordering::Relaxed);
 }
 
 /// The GPU/GMS checks for `--gms` / `--gpu` (None when neither is given, or when only `--gpu`
@@ -886,39 +686,6 @@ async fn run_incarnation(
         reason,
         spawned: true,
     })
-}
-
-/// `GpuChecks::after_reap` with the pids fencing saw. A timeout is logged at error and counted,
-/// and the lock is released anyway (README.md, "GPU/GMS checks"): the whole tree is provably
-/// dead, so what still pins the memory is out of the supervisor's reach, and holding the lock
-/// would block failover for good; the next engine's `--min-free-memory` wait gates its wake.
-async fn after_reap_check(checks: &GpuChecks, pids: &[i32], args: &RunArgs, state: &ProbeState) {
-    let pids: Vec<u32> = pids.iter().filter_map(|p| u32::try_from(*p).ok()).collect();
-    // after_reap bounds itself; the outer bound only guards against a hung device query.
-    let bound = args.memory_release_timeout + Duration::from_secs(5);
-    match tokio::time::timeout(bound, checks.after_reap(&pids)).await {
-        Ok(Ok(rep)) => {
-            tracing::info!(
-                matched_by = ?rep.matched_by,
-                waited_ms = rep.waited.as_millis() as u64,
-                engine_processes_seen = rep.engine_processes_seen,
-                free_before = ?rep.free_before,
-                free_after = ?rep.free_after,
-                "GPU memory check after reap passed"
-            );
-        }
-        Ok(Err(e)) => {
-            tracing::error!(cause = %e, "GPU memory of the dead engine NOT released in time; releasing the lock anyway (the next engine may OOM)");
-        }
-        Err(_) => {
-            tracing::error!(
-                bound_ms = bound.as_millis() as u64,
-                "GPU memory check after reap hung; releasing the lock anyway"
-            );
-        }
-    }
-    state.mark(probes::MarkKind::MemoryReleaseChecked);
-    sync_check_metrics(checks, state);
 }
 
 async fn linger_and_stop(
