@@ -82,6 +82,7 @@ impl Cluster {
             .args(["--adapter", o.adapter])
             .args(["--engine-url", &format!("http://{engine}")])
             .args(["--health-interval", "200ms", "--startup-poll", "20ms"])
+            .args(["--restart", o.restart])
             .args(&o.sup_args)
             .arg("--")
             .arg(must_bin("fake-engine"))

@@ -26,6 +26,10 @@ pub struct SupOpts {
     pub engine_args: Vec<String>,
     /// Adapter (`vllm` / `sglang`).
     pub adapter: &'static str,
+    /// `--restart` (default `never`: the supervisor exits right after fencing, which most
+    /// tests assert through its exit status; a test opts into re-arming with
+    /// [`SupOpts::restart`]).
+    pub restart: &'static str,
 }
 
 impl SupOpts {
@@ -37,7 +41,14 @@ impl SupOpts {
             sup_args: Vec::new(),
             engine_args: Vec::new(),
             adapter: "vllm",
+            restart: "never",
         }
+    }
+
+    /// `--restart MODE` (`on-failure` re-arms the engine after fencing).
+    pub fn restart(mut self, mode: &'static str) -> SupOpts {
+        self.restart = mode;
+        self
     }
 
     /// Add supervisor flags.

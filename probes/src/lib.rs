@@ -35,7 +35,8 @@ pub enum Phase {
     Waking,
     /// Engine awake, holding the lock, serving.
     Active,
-    /// Terminal: the engine is dead or being fenced; the supervisor is about to exit.
+    /// Terminal for one incarnation: the engine is dead or being fenced; then either the
+    /// supervisor exits or a new incarnation starts in Init (`/state.incarnation` + 1).
     Dead,
 }
 
@@ -119,6 +120,16 @@ pub struct Status {
     pub lock_connected: bool,
     /// Why the supervisor went Dead (exit reason), once it has.
     pub dead_reason: Option<String>,
+    /// Which incarnation of the engine this is (0 for the first; +1 per restart).
+    pub incarnation: u32,
+    /// Restarts of the engine in this supervisor's life.
+    pub restarts: u32,
+    /// The supervisor is up (first engine spawned): `/startup` 200 from then on.
+    pub started: bool,
+    /// In Init: when the current incarnation's `--startup-timeout` runs out.
+    pub startup_deadline: Option<Instant>,
+    /// The supervisor gave up (no new incarnation follows): `/live` 503 in Dead.
+    pub gave_up: bool,
 }
 
 impl Status {
@@ -140,6 +151,11 @@ impl Status {
             marks: Vec::new(),
             lock_connected: false,
             dead_reason: None,
+            incarnation: 0,
+            restarts: 0,
+            started: false,
+            startup_deadline: None,
+            gave_up: false,
         }
     }
 
@@ -149,6 +165,9 @@ impl Status {
             phase: self.phase,
             engine_healthy: self.engine_healthy,
             waking_deadline: self.waking_deadline,
+            started: self.started,
+            startup_deadline: self.startup_deadline,
+            gave_up: self.gave_up,
         }
     }
 
@@ -165,6 +184,8 @@ impl Status {
             healthy: self.engine_healthy,
             lock_connected: self.lock_connected,
             dead_reason: self.dead_reason.clone(),
+            incarnation: self.incarnation,
+            restarts: self.restarts,
             marks: self.marks.iter().map(|m| (m.what, m.at_unix_us)).collect(),
         }
     }
@@ -256,6 +277,8 @@ mod tests {
         assert_eq!(v["lock_connected"], false);
         assert_eq!(v["healthy"], false);
         assert_eq!(v["state"], "standby");
+        assert_eq!(v["incarnation"], 0);
+        assert_eq!(v["restarts"], 0);
         assert_eq!(v["engine_id"], 3);
         assert_eq!(v["role"], "shadow");
         assert_eq!(v["epoch"], 7);

@@ -95,6 +95,13 @@ struct ToLabels {
     to: &'static str,
 }
 
+/// Labels of `supervisor_restarts_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    /// Why the previous incarnation ended (the supervisor's `DeadReason` kind).
+    reason: String,
+}
+
 /// All supervisor metrics; labels `engine_id` and `role` on every series.
 #[derive(Debug)]
 pub struct Metrics {
@@ -106,6 +113,8 @@ pub struct Metrics {
     state: Family<StateLabels, Gauge>,
     /// Transitions into each phase.
     transitions: Family<ToLabels, Counter>,
+    /// Engine incarnations started after a dead one, by why the dead one ended.
+    restarts: Family<ReasonLabels, Counter>,
     /// Time spent in Waking (the engine's part of a failover).
     pub waking_seconds: Histogram,
     /// Time from lock grant to Active (waking plus supervisor overhead).
@@ -168,6 +177,7 @@ impl Metrics {
             render_lock: Mutex::new(()),
             state: Family::default(),
             transitions: Family::default(),
+            restarts: Family::default(),
             waking_seconds: Histogram::new(),
             grant_to_active_seconds: Histogram::new(),
             fencing_seconds: Histogram::new(),
@@ -199,6 +209,12 @@ impl Metrics {
             counter_name("supervisor_transitions_total"),
             "Transitions into each phase.",
             m.transitions.clone(),
+        );
+        register(
+            &mut registry,
+            counter_name("supervisor_restarts_total"),
+            "Engine incarnations started after a dead one, by why it ended.",
+            m.restarts.clone(),
         );
         register(
             &mut registry,
@@ -292,6 +308,24 @@ impl Metrics {
         self.transitions
             .get_or_create(&ToLabels { to: to.as_str() })
             .inc();
+    }
+
+    /// Count a restart of the engine (a new incarnation) after one that ended for `reason`.
+    pub fn restart(&self, reason: &str) {
+        self.restarts
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Restarts counted for `reason` so far.
+    pub fn restarts_for(&self, reason: &str) -> u64 {
+        self.restarts
+            .get(&ReasonLabels {
+                reason: reason.to_string(),
+            })
+            .map_or(0, |c| c.get())
     }
 
     /// Transitions into `to` so far.
@@ -518,6 +552,26 @@ mod tests {
                 &format!("supervisor_transitions_total{{{l},to=\"active\"}}")
             ),
             2.0
+        );
+        m.restart("engine_exited");
+        m.restart("engine_exited");
+        m.restart("startup_timeout");
+        assert_eq!(m.restarts_for("engine_exited"), 2);
+        assert_eq!(m.restarts_for("revoked"), 0);
+        let text = m.render(&st);
+        assert_eq!(
+            value(
+                &text,
+                &format!("supervisor_restarts_total{{{l},reason=\"engine_exited\"}}")
+            ),
+            2.0
+        );
+        assert_eq!(
+            value(
+                &text,
+                &format!("supervisor_restarts_total{{{l},reason=\"startup_timeout\"}}")
+            ),
+            1.0
         );
         st.engine_healthy = false;
         st.phase = Phase::Dead;

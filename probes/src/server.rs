@@ -138,6 +138,9 @@ mod tests {
         assert_eq!(code("/ready"), 503);
         st.enter(Phase::Active, None);
         st.write().engine_healthy = true;
+        // /startup follows the supervisor being up (engine spawned), not the phase.
+        assert_eq!(code("/startup"), 503);
+        st.write().started = true;
         assert_eq!(code("/startup"), 200);
         assert_eq!(code("/live"), 200);
         assert_eq!(code("/ready"), 200);

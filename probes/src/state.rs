@@ -130,6 +130,13 @@ pub struct StateDoc {
     /// Why the supervisor went Dead.
     #[serde(default)]
     pub dead_reason: Option<String>,
+    /// Which incarnation of the engine this is: 0 for the first, + 1 per restart (a re-armed
+    /// engine after fencing). Absent (0) from older supervisors.
+    #[serde(default)]
+    pub incarnation: u32,
+    /// Restarts of the engine in this supervisor's life.
+    #[serde(default)]
+    pub restarts: u32,
     /// Wall-clock microseconds of the last occurrence of each mark.
     #[serde(default)]
     pub marks: BTreeMap<MarkKind, i64>,

@@ -9,6 +9,7 @@ use gms_client::checks::MinFree;
 
 use crate::adapter::AdapterKind;
 use crate::machine::Role;
+use crate::restart::{RestartConfig, RestartMode};
 
 fn dur(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 250ms, 10s, 5m)"))
@@ -229,6 +230,35 @@ pub struct RunArgs {
     #[arg(long, env = "SUPERVISOR_GMS_HANDSHAKE_TIMEOUT", value_parser = dur, default_value = "30s")]
     pub gms_handshake_timeout: Duration,
 
+    /// After the engine died and was fenced: `on-failure` starts a new incarnation of it as a
+    /// shadow (after a backoff, up to `--crash-loop-limit`); `never` exits right after fencing
+    /// (the first version's behaviour). A requested stop (SIGTERM/SIGINT) never restarts.
+    #[arg(
+        long,
+        env = "SUPERVISOR_RESTART",
+        value_enum,
+        default_value = "on-failure"
+    )]
+    pub restart: RestartMode,
+
+    /// First delay before a new incarnation; doubles with every restart without a reset.
+    #[arg(long, env = "SUPERVISOR_RESTART_BACKOFF", value_parser = dur, default_value = "1s")]
+    pub restart_backoff: Duration,
+
+    /// Cap of the restart delay.
+    #[arg(long, env = "SUPERVISOR_RESTART_BACKOFF_MAX", value_parser = dur, default_value = "30s")]
+    pub restart_backoff_max: Duration,
+
+    /// An incarnation that ran this long resets the backoff and the crash-loop count
+    /// (kubelet's CrashLoopBackOff reset: 10 min).
+    #[arg(long, env = "SUPERVISOR_RESTART_RESET", value_parser = dur, default_value = "10m")]
+    pub restart_reset: Duration,
+
+    /// Restarts without a reset after which the supervisor gives up and exits with the last
+    /// incarnation's exit code (so that kubelet sees a truly broken container).
+    #[arg(long, env = "SUPERVISOR_CRASH_LOOP_LIMIT", default_value_t = 5)]
+    pub crash_loop_limit: u32,
+
     /// Log format.
     #[arg(
         long,
@@ -254,6 +284,17 @@ impl RunArgs {
     /// Whether any GPU/GMS check was asked for (`--gms`, `--gpu` or `--gpu-sim`).
     pub fn gpu_checks_requested(&self) -> bool {
         self.gms.is_some() || self.gpu.is_some() || self.gpu_sim.is_some()
+    }
+
+    /// The restart policy's parameters for these flags.
+    pub fn restart_config(&self) -> RestartConfig {
+        RestartConfig {
+            mode: self.restart,
+            backoff: self.restart_backoff,
+            backoff_max: self.restart_backoff_max.max(self.restart_backoff),
+            reset_after: self.restart_reset,
+            crash_loop_limit: self.crash_loop_limit,
+        }
     }
 
     /// The `gms_client::checks` configuration for these flags.

@@ -6,6 +6,7 @@
 //! * [`machine`]: the pure state machine,
 //! * [`driver`]: `supervisor run` (sockets, processes, timers, signals),
 //! * [`process`]: spawning, death detection and fencing of the engine's process tree,
+//! * [`restart`]: the pure restart policy (backoff, crash-loop limit),
 //! * [`adapter`]: vLLM / SGLang HTTP calls,
 //! * [`config`]: the `run` command line,
 //! * [`cli`]: the top-level command line (`supervisor drill` execs `supervisor-drill`),
@@ -20,3 +21,4 @@ pub mod fault;
 pub mod logging;
 pub mod machine;
 pub mod process;
+pub mod restart;

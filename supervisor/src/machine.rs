@@ -11,7 +11,11 @@
 //!                                                             --check failed--> Dead (exit 19)
 //! any non-Dead state --engine exited | lock lost | revoked | lock closed | SIGTERM | timeout | failed op--> Dead
 //! ```
-//! Dead is terminal. Entering Dead emits exactly one [`Action::Fence`].
+//! Dead is terminal (per incarnation of the engine: the driver runs a fresh machine for each
+//! one, and `crate::restart` decides whether there is a next one). Entering Dead emits exactly
+//! one [`Action::Fence`], which says whether the lease was held (then, with a device, the
+//! driver waits for the memory before closing the lock). Without anchors (lockd over TCP), a
+//! reconnect emits [`Action::SpawnKeeper`].
 
 use std::time::{Duration, Instant};
 
@@ -51,6 +55,10 @@ pub struct MachineConfig {
     /// the engine once it passed, so that an engine never wakes into a hang (GMS restarted
     /// empty, Decision 6) or an OOM (memory still pinned, Decision 7).
     pub wake_checks: bool,
+    /// The lock session carries anchors (a `unix:` lockd endpoint): lockd re-attaches them on
+    /// a reconnect. Without them (TCP) a reconnect asks for a lock keeper
+    /// ([`Action::SpawnKeeper`]) that holds the new connection until the engine has exited.
+    pub anchored: bool,
 }
 
 /// Sub-steps of Waking (all shown as `waking` outside; the waking budget covers both).
@@ -302,12 +310,31 @@ pub enum Action {
     CheckBeforeWake,
     /// Remember the lock epoch (exposed on `/state`).
     SetEpoch(u64),
-    /// Kill and reap the whole engine tree, close the lock connection, exit.
-    Fence(DeadReason),
+    /// Hand the new lock connection (after a reconnect) to a lock keeper that lives until the
+    /// engine has exited (no anchors: lockd over TCP; see `process::Keeper`).
+    SpawnKeeper,
+    /// Kill and reap the whole engine tree, then close the lock connection.
+    Fence {
+        /// Why.
+        reason: DeadReason,
+        /// The lease was held when the engine died (granted in this incarnation, not lost or
+        /// revoked): with a device, the lock is closed only once its memory is seen released.
+        lease_held: bool,
+    },
 }
 
-fn dead(reason: DeadReason) -> (State, Vec<Action>) {
-    (State::Dead(reason.clone()), vec![Action::Fence(reason)])
+/// Whether a machine dying in `state` for `reason` still holds the lease.
+fn lease_held(state: &State, reason: &DeadReason) -> bool {
+    matches!(state, State::Waking { .. } | State::Active)
+        && !matches!(reason, DeadReason::LockLost(_) | DeadReason::Revoked(_))
+}
+
+fn dead_from(state: &State, reason: DeadReason) -> (State, Vec<Action>) {
+    let lease_held = lease_held(state, &reason);
+    (
+        State::Dead(reason.clone()),
+        vec![Action::Fence { reason, lease_held }],
+    )
 }
 
 /// The transition function. Pure: same inputs, same outputs.
@@ -323,17 +350,20 @@ pub fn step(
     }
     // Events that end every live state the same way.
     match event {
-        E::EngineExited(s) => return dead(DeadReason::EngineExited(*s)),
-        E::LockLost(s) => return dead(DeadReason::LockLost(s.clone())),
-        E::Revoked(s) => return dead(DeadReason::Revoked(s.clone())),
-        E::LockClosed(s) => return dead(DeadReason::LockUnavailable(s.clone())),
-        E::Terminate => return dead(DeadReason::Stopped),
+        E::EngineExited(s) => return dead_from(state, DeadReason::EngineExited(*s)),
+        E::LockLost(s) => return dead_from(state, DeadReason::LockLost(s.clone())),
+        E::Revoked(s) => return dead_from(state, DeadReason::Revoked(s.clone())),
+        E::LockClosed(s) => return dead_from(state, DeadReason::LockUnavailable(s.clone())),
+        E::Terminate => return dead_from(state, DeadReason::Stopped),
         E::Timeout(kind) => {
             return match state.deadline() {
-                Some((k, at)) if k == *kind && now >= at => dead(match k {
-                    TimeoutKind::Startup => DeadReason::StartupTimeout,
-                    TimeoutKind::Waking => DeadReason::WakingTimeout,
-                }),
+                Some((k, at)) if k == *kind && now >= at => dead_from(
+                    state,
+                    match k {
+                        TimeoutKind::Startup => DeadReason::StartupTimeout,
+                        TimeoutKind::Waking => DeadReason::WakingTimeout,
+                    },
+                ),
                 // Stale or early: nothing happens.
                 _ => (state.clone(), Vec::new()),
             };
@@ -341,6 +371,25 @@ pub fn step(
         _ => {}
     }
     let same = || (state.clone(), Vec::new());
+    // Without anchors, every reconnect hands the new connection to a lock keeper.
+    let keeper = || {
+        if cfg.anchored {
+            Vec::new()
+        } else {
+            vec![Action::SpawnKeeper]
+        }
+    };
+    if *event == E::LockReconnected
+        && !matches!(
+            state,
+            State::Init {
+                step: InitStep::TryingLock,
+                ..
+            }
+        )
+    {
+        return (state.clone(), keeper());
+    }
     match (state, event) {
         (State::Init { step, deadline }, ev) => {
             let deadline = *deadline;
@@ -357,8 +406,14 @@ pub fn step(
                     (init(InitStep::Sleeping), vec![Action::Sleep])
                 }
                 // A try-once request may be lost with the connection: ask again.
-                (InitStep::TryingLock, E::LockReconnected) => (init(*step), vec![Action::TryLock]),
-                (InitStep::TryingLock, E::LockError(s)) => dead(DeadReason::Protocol(s.clone())),
+                (InitStep::TryingLock, E::LockReconnected) => {
+                    let mut a = keeper();
+                    a.push(Action::TryLock);
+                    (init(*step), a)
+                }
+                (InitStep::TryingLock, E::LockError(s)) => {
+                    dead_from(state, DeadReason::Protocol(s.clone()))
+                }
                 (InitStep::Sleeping, E::Slept) => {
                     let mut a = vec![Action::WaitLock];
                     if cfg.wake_checks {
@@ -366,12 +421,17 @@ pub fn step(
                     }
                     (State::Standby, a)
                 }
-                (InitStep::Sleeping, E::SleepFailed(s)) => dead(DeadReason::SleepFailed(s.clone())),
+                (InitStep::Sleeping, E::SleepFailed(s)) => {
+                    dead_from(state, DeadReason::SleepFailed(s.clone()))
+                }
                 // A grant we did not ask for: the lock server and we disagree; fail safe.
                 (InitStep::WaitingHealthy | InitStep::Sleeping, E::LockGranted { epoch, .. }) => {
-                    dead(DeadReason::Protocol(format!(
-                        "unrequested grant (epoch {epoch}) during init"
-                    )))
+                    dead_from(
+                        state,
+                        DeadReason::Protocol(format!(
+                            "unrequested grant (epoch {epoch}) during init"
+                        )),
+                    )
                 }
                 _ => same(),
             }
@@ -396,7 +456,7 @@ pub fn step(
                 )
             }
         }
-        (State::Standby, E::LockError(s)) => dead(DeadReason::Protocol(s.clone())),
+        (State::Standby, E::LockError(s)) => dead_from(state, DeadReason::Protocol(s.clone())),
         (
             State::Waking {
                 deadline,
@@ -416,7 +476,7 @@ pub fn step(
                 ..
             },
             E::WakeCheckFailed { cause },
-        ) => dead(DeadReason::GpuCheckFailed(cause.clone())),
+        ) => dead_from(state, DeadReason::GpuCheckFailed(cause.clone())),
         // Only a wake call can confirm or fail a wake (none is in flight during the check).
         (
             State::Waking {
@@ -431,7 +491,7 @@ pub fn step(
                 ..
             },
             E::WakeFailed(s),
-        ) => dead(DeadReason::WakeFailed(s.clone())),
+        ) => dead_from(state, DeadReason::WakeFailed(s.clone())),
         // Re-grant after a lockd restart (reconnect window): keep going, note the epoch.
         (State::Waking { .. } | State::Active, E::LockGranted { epoch, .. }) => {
             (state.clone(), vec![Action::SetEpoch(*epoch)])
@@ -480,6 +540,7 @@ mod tests {
             startup_timeout: Duration::from_secs(60),
             waking_timeout: Duration::from_secs(2),
             wake_checks,
+            anchored: true,
         }
     }
 
@@ -559,10 +620,27 @@ mod tests {
         let role = c.role;
         let d = t0 + Duration::from_secs(60);
         let keep = (s.clone(), vec![]);
-        let die = |r: DeadReason| (State::Dead(r.clone()), vec![Action::Fence(r)]);
+        // The lease is held in Waking and Active, unless it was just lost or revoked.
+        let held_in_state = matches!(s, State::Waking { .. } | State::Active);
+        let die = |r: DeadReason| {
+            let lease_held =
+                held_in_state && !matches!(r, DeadReason::LockLost(_) | DeadReason::Revoked(_));
+            (
+                State::Dead(r.clone()),
+                vec![Action::Fence {
+                    reason: r,
+                    lease_held,
+                }],
+            )
+        };
         if let State::Dead(_) = s {
             return keep;
         }
+        let keeper = if c.anchored {
+            vec![]
+        } else {
+            vec![Action::SpawnKeeper]
+        };
         match e {
             E::EngineExited(x) => return die(DeadReason::EngineExited(*x)),
             E::LockLost(x) => return die(DeadReason::LockLost(x.clone())),
@@ -603,7 +681,12 @@ mod tests {
                     },
                     vec![Action::Sleep],
                 ),
-                (TryingLock, E::LockReconnected) => (s.clone(), vec![Action::TryLock]),
+                (TryingLock, E::LockReconnected) => {
+                    let mut a = keeper.clone();
+                    a.push(Action::TryLock);
+                    (s.clone(), a)
+                }
+                (_, E::LockReconnected) => (s.clone(), keeper),
                 (TryingLock, E::LockError(x)) => die(DeadReason::Protocol(x.clone())),
                 (Sleeping, E::Slept) if c.wake_checks => (
                     State::Standby,
@@ -629,6 +712,7 @@ mod tests {
                     vec![Action::SetEpoch(*epoch), Action::Wake],
                 ),
                 E::LockError(x) => die(DeadReason::Protocol(x.clone())),
+                E::LockReconnected => (s.clone(), keeper),
                 _ => keep,
             },
             State::Waking {
@@ -647,6 +731,7 @@ mod tests {
                     die(DeadReason::WakingTimeout)
                 }
                 E::LockGranted { epoch, .. } => (s.clone(), vec![Action::SetEpoch(*epoch)]),
+                E::LockReconnected => (s.clone(), keeper),
                 // No wake call is in flight: Woke / WakeFailed cannot be ours.
                 _ => keep,
             },
@@ -660,11 +745,13 @@ mod tests {
                     die(DeadReason::WakingTimeout)
                 }
                 E::LockGranted { epoch, .. } => (s.clone(), vec![Action::SetEpoch(*epoch)]),
+                E::LockReconnected => (s.clone(), keeper),
                 // A stale check result after the wake call started changes nothing.
                 _ => keep,
             },
             State::Active => match e {
                 E::LockGranted { epoch, .. } => (s.clone(), vec![Action::SetEpoch(*epoch)]),
+                E::LockReconnected => (s.clone(), keeper),
                 _ => keep,
             },
             State::Dead(_) => keep,
@@ -681,9 +768,16 @@ mod tests {
             t0 + Duration::from_secs(61),
         ];
         let mut checked = 0;
-        for role in [Role::Primary, Role::Shadow] {
-            for checks in [false, true] {
-                let c = cfg_checks(role, checks);
+        for (role, checks, anchored) in [Role::Primary, Role::Shadow]
+            .into_iter()
+            .flat_map(|r| [(r, false), (r, true)])
+            .flat_map(|(r, c)| [(r, c, false), (r, c, true)])
+        {
+            {
+                let c = MachineConfig {
+                    anchored,
+                    ..cfg_checks(role, checks)
+                };
                 for s in all_states(t0) {
                     for e in all_events() {
                         for now in times {
@@ -692,7 +786,7 @@ mod tests {
                             assert_eq!(
                                 got,
                                 want,
-                                "role={role:?} checks={checks} state={s:?} event={e:?} now=+{:?}",
+                                "role={role:?} checks={checks} anchored={anchored} state={s:?} event={e:?} now=+{:?}",
                                 now - t0
                             );
                             checked += 1;
@@ -701,7 +795,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(checked, 2 * 2 * 8 * 20 * 3);
+        assert_eq!(checked, 2 * 2 * 2 * 8 * 20 * 3);
     }
 
     #[test]
@@ -711,9 +805,10 @@ mod tests {
         let a = m.feed(&Event::EngineExited(ProcessEnd::Exited(1)), t0);
         assert_eq!(
             a,
-            vec![Action::Fence(DeadReason::EngineExited(ProcessEnd::Exited(
-                1
-            )))]
+            vec![Action::Fence {
+                reason: DeadReason::EngineExited(ProcessEnd::Exited(1)),
+                lease_held: false
+            }]
         );
         for e in all_events() {
             assert!(m.feed(&e, t0 + Duration::from_secs(100)).is_empty());
@@ -795,7 +890,13 @@ mod tests {
             &Event::Timeout(TimeoutKind::Waking),
             t0 + Duration::from_secs(2),
         );
-        assert_eq!(a, vec![Action::Fence(DeadReason::WakingTimeout)]);
+        assert_eq!(
+            a,
+            vec![Action::Fence {
+                reason: DeadReason::WakingTimeout,
+                lease_held: true
+            }]
+        );
         assert_eq!(DeadReason::WakingTimeout.exit_code(), 14);
     }
 
@@ -884,7 +985,13 @@ mod tests {
             t0,
         );
         let r = DeadReason::GpuCheckFailed(cause.clone());
-        assert_eq!(a, vec![Action::Fence(r.clone())]);
+        assert_eq!(
+            a,
+            vec![Action::Fence {
+                reason: r.clone(),
+                lease_held: true
+            }]
+        );
         assert_eq!(r.exit_code(), 19);
         assert!(!r.urgent());
         assert!(r.to_string().contains(&cause));

@@ -258,6 +258,18 @@ impl Launch<'_> {
                 "--engine-url",
                 &self.args.engine_url.replace("{port}", &port.to_string()),
             ]);
+        // The drill emulates kubelet's container restarts itself (kubelet.rs): each side's
+        // supervisor exits after fencing, as the first version did. Adapting the drill to
+        // supervisors that re-arm their engine (`--restart on-failure`, the default) is later
+        // work; a `--supervisor-arg --restart=...` wins.
+        if !self
+            .args
+            .supervisor_arg
+            .iter()
+            .any(|a| a == "--restart" || a.starts_with("--restart="))
+        {
+            c.args(["--restart", "never"]);
+        }
         if !self.args.supervisor_linger.is_zero() {
             c.arg("--linger")
                 .arg(humantime::format_duration(self.args.supervisor_linger).to_string());

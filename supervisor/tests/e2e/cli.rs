@@ -36,7 +36,8 @@ fn unreachable_lockd_exits_17_without_spawning_the_engine() {
         .arg(format!("unix:{}", dir.path().join("no.sock").display()))
         .args(["--probes", &format!("127.0.0.1:{}", free_port())])
         .args(["--adapter", "vllm", "--engine-url", "http://127.0.0.1:1"])
-        .args(["--lock-wait", "300ms", "--", "touch"])
+        // Exit right after the first incarnation (the default re-arms: issue 10).
+        .args(["--lock-wait", "300ms", "--restart", "never", "--", "touch"])
         .arg(&marker)
         .output()
         .unwrap();

@@ -174,6 +174,10 @@ pub fn run(memory_release_timeout: Duration, remove_after: Option<Duration>) -> 
         mrt,
         "--linger".into(),
         "2s".into(),
+        // The scenario ends with the supervisor's exit after fencing (issue 10's default
+        // re-arms the engine instead).
+        "--restart".into(),
+        "never".into(),
         "--".into(),
         must_bin("fake-engine").to_string_lossy().into_owned(),
         "--port".into(),

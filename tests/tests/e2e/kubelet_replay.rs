@@ -507,6 +507,9 @@ impl Container {
         .args(["--waking-timeout", &humantime_ms(s.waking_timeout)])
         .args(["--startup-timeout", &humantime_ms(s.startup_timeout)])
         .args(["--stop-grace", &humantime_ms(s.stop_grace)])
+        // This replay models kubelet restarting the container; the supervisor exits after
+        // fencing as the first version did (re-arming is covered by rearm.rs).
+        .args(["--restart", "never"])
         .arg("--")
         .arg(must_bin("fake-engine"))
         .args([
@@ -837,9 +840,12 @@ fn replay_slow_healthy_load_and_slow_wake_are_not_killed() {
         rec.live_results.len(),
         rec.ready_changes.last().map(|x| x.1)
     );
+    // Issue 10: /startup no longer waits for the model load (docs/INTERFACES.md): it passes
+    // once the supervisor is up, and /live (200 in Init within --startup-timeout) covers the
+    // load. (The first version asserted the opposite: startup ok only after the load.)
     assert!(
-        started - rec.started_at.unwrap() >= b.init,
-        "startup ok before the load ended"
+        started - rec.started_at.unwrap() < b.init,
+        "startup probe waited for the load"
     );
     assert!(
         !rec.live_results.is_empty(),
@@ -891,6 +897,10 @@ fn replay_two_hour_load_is_not_killed_by_the_startup_probe() {
     let ok = wait_for(load_2h + Duration::from_secs(5), || {
         c.rec.lock().unwrap().startup_ok_at.is_some() || c.is_dead()
     });
+    // The startup probe passes within seconds now (issue 10); the load still has to end.
+    let _ = wait_for(load_2h + Duration::from_secs(5), || {
+        c.state() == Some(Phase::Standby) || c.is_dead()
+    });
     std::thread::sleep(s.liveness.period * s.liveness.failure_threshold * 2);
     let dead = c.is_dead();
     let state = c.state();
@@ -908,17 +918,27 @@ fn replay_two_hour_load_is_not_killed_by_the_startup_probe() {
         rec.max_startup_failures,
         s.startup.failure_threshold
     );
+    // Issue 10: the startup probe passes once the supervisor is up, long before the load
+    // ends; the load is bounded by the supervisor's own --startup-timeout, under which /live
+    // answers 200 in Init. (The first version asserted the startup probe's budget was
+    // exercised: it waited for the load.)
     assert!(
-        t >= b.init,
-        "startup probe passed at {t:?}, before the load ended ({:?})",
+        t < b.init,
+        "startup probe passed at {t:?}, not before the load ended ({:?})",
         b.init
     );
-    assert!(
-        rec.max_startup_failures >= s.startup.failure_threshold / 2,
-        "the run did not exercise the budget: {} failures in a row",
-        rec.max_startup_failures
-    );
     assert!(rec.max_startup_failures < s.startup.failure_threshold);
+    let during_load = rec
+        .live_results
+        .iter()
+        .filter(|x| x.0 < rec.started_at.unwrap() + b.init)
+        .count();
+    assert!(
+        during_load > 0,
+        "no liveness probe ran during the load: {rec:?}"
+    );
+    // (Single /live failures at 1/1000 scale are probe timeouts of ~1 ms; what counts is that
+    // kubelet never killed the container: asserted above.)
     assert_eq!(state, Some(Phase::Standby), "{logs}");
 }
 

@@ -18,6 +18,7 @@
 
 mod adapter_sequences;
 mod cold_start;
+mod crash_loop;
 mod detached_workers;
 mod detached_workers_outlive_supervisor;
 mod drill_ci;
@@ -37,6 +38,7 @@ mod lock_keeper_after_reconnect;
 mod lockd_gone;
 mod lockd_restart;
 mod pid_namespace;
+mod rearm;
 mod revoke;
 mod sglang_adapter;
 mod spawned_workers_anchor;

@@ -4,23 +4,30 @@
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gms_client::checks::{CheckError, GpuChecks, WakeReport};
 
-use lockd::client::{ClientOptions, LockClient, LockEvent};
 use probes::{Phase, ProbeState, Status};
 use tokio::signal::unix::{signal, SignalKind};
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::adapter::{AdapterError, EngineClient};
 use crate::config::RunArgs;
-use crate::machine::{Action, DeadReason, Event, Machine, MachineConfig, State};
+use crate::machine::{Action, DeadReason, Event, Machine, MachineConfig, Role, State};
 use crate::process::{self, EngineSpec};
+
+mod fence;
+mod sources;
+mod telemetry;
+
+use crate::restart::{Decision, RestartPolicy};
+use fence::after_reap_check;
+use sources::{anchor_for, connect_lock, lock_event, pin_tree, spawn_health, PIN_INTERVAL};
+use telemetry::{bump_restart_counter, sync_check_metrics};
 
 /// Errors that stop `supervisor run` before the state machine is running.
 #[derive(Debug, thiserror::Error)]
@@ -51,7 +58,7 @@ pub enum RunError {
 /// How `supervisor run` ended.
 #[derive(Debug, Clone)]
 pub struct RunOutcome {
-    /// Why the machine went Dead.
+    /// Why the last incarnation went Dead.
     pub reason: DeadReason,
     /// Process exit status (see README.md).
     pub exit_code: i32,
@@ -81,212 +88,6 @@ fn engine_env(args: &RunArgs, lock_fd: i32, anchor_fd: Option<i32>) -> Vec<(OsSt
     env
 }
 
-/// How often the engine's tree is scanned for new processes to pin as lockd process anchors.
-const PIN_INTERVAL: Duration = Duration::from_millis(100);
-
-/// Attach a process anchor to the lock session for every new process of the engine's tree.
-async fn pin_tree(pins: &mut process::TreePins, lock: &mut LockClient, state: &ProbeState) {
-    let new = pins.scan();
-    if new.is_empty() {
-        return;
-    }
-    let pids: Vec<i32> = new.iter().map(|(p, _)| *p).collect();
-    for (pid, fd) in new {
-        if let Err(e) = lock.add_process_anchor(fd).await {
-            tracing::error!(pid, error = %e, "cannot attach a process anchor");
-        }
-    }
-    state.mark(probes::MarkKind::ProcessAnchorsAttached);
-    tracing::info!(pids = ?pids, "engine processes pinned as lock anchors");
-}
-
-/// The anchor pair for this run: `(keep, inherit)`, or None where anchors cannot be used
-/// (a `tcp:` lockd endpoint: file descriptors do not cross TCP; see ARCHITECTURE.md).
-///
-/// lockd holds `keep` (re-attached on every reconnect) and the engine inherits `inherit`: the
-/// lease is then held until every process of the engine's tree that inherited it is dead,
-/// whatever happens to the supervisor or to lockd's connection.
-fn anchor_for(args: &RunArgs) -> Option<(OwnedFd, OwnedFd)> {
-    if !matches!(args.lock, lockd::Endpoint::Unix(_)) {
-        tracing::warn!(lock = %args.lock, "lockd over TCP: no anchor; after a lockd restart the lease is bound to a lock keeper that covers the engine's main process only");
-        return None;
-    }
-    #[cfg(any(debug_assertions, feature = "planted-bugs"))]
-    if crate::fault::planted_bug_no_anchor() {
-        tracing::warn!("PLANTED BUG: running without an anchor");
-        return None;
-    }
-    match lockd::client::anchor_pair() {
-        Ok(p) => Some(p),
-        Err(e) => {
-            tracing::error!(error = %e, "cannot create the anchor socket pair; the lease is bound to the lock connection only");
-            None
-        }
-    }
-}
-
-fn bump_restart_counter(args: &RunArgs, state: &ProbeState) {
-    let Some(path) = &args.restart_counter else {
-        return;
-    };
-    let prev: u64 = std::fs::read_to_string(path)
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(0);
-    state
-        .metrics()
-        .engine_restarts
-        .store(prev, Ordering::Relaxed);
-    let tmp = path.with_extension("tmp");
-    let res =
-        std::fs::write(&tmp, format!("{}\n", prev + 1)).and_then(|_| std::fs::rename(&tmp, path));
-    if let Err(e) = res {
-        tracing::warn!(path = %path.display(), error = %e, "cannot update restart counter");
-    }
-}
-
-/// Connect to lockd, retrying until `args.lock_wait` has passed (lockd may start after us).
-async fn connect_lock(args: &RunArgs, anchor: Option<Arc<OwnedFd>>) -> Result<LockClient, String> {
-    let deadline = Instant::now() + args.lock_wait;
-    // `..default()` keeps this compiling if lockd adds options.
-    #[allow(clippy::needless_update)]
-    let opts = ClientOptions {
-        connect_timeout: args.lock_connect_timeout,
-        reconnect_timeout: args.lock_reconnect_timeout,
-        label: Some(args.holder_name()),
-        anchor,
-        ..ClientOptions::default()
-    };
-    let mut attempt = 0u32;
-    loop {
-        attempt += 1;
-        match LockClient::connect(&args.lock, opts.clone()).await {
-            Ok(c) => return Ok(c),
-            Err(e) => {
-                if Instant::now() >= deadline {
-                    return Err(format!("cannot connect to lockd at {}: {e}", args.lock));
-                }
-                if attempt == 1 || attempt % 10 == 0 {
-                    tracing::warn!(lock = %args.lock, error = %e, attempt, "lockd not reachable yet; retrying");
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        }
-    }
-}
-
-/// Background health polling: writes the result into the probe state (probes never call the
-/// engine) and publishes it on a watch channel for the driver.
-fn spawn_health(
-    client: EngineClient,
-    state: ProbeState,
-    args: &RunArgs,
-) -> (JoinHandle<()>, watch::Receiver<bool>) {
-    let (tx, rx) = watch::channel(false);
-    let (startup_poll, interval, timeout) =
-        (args.startup_poll, args.health_interval, args.health_timeout);
-    let h = tokio::spawn(async move {
-        let mut ever = false;
-        loop {
-            let ok = client.healthy(timeout).await;
-            let was = {
-                let mut s = state.write();
-                std::mem::replace(&mut s.engine_healthy, ok)
-            };
-            if !ok && ever {
-                state
-                    .metrics()
-                    .health_check_failures
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-            if was != ok && ever {
-                tracing::info!(healthy = ok, "engine health changed");
-            }
-            ever |= ok;
-            tx.send_if_modified(|v| std::mem::replace(v, ok) != ok);
-            tokio::time::sleep(if ever { interval } else { startup_poll }).await;
-        }
-    });
-    (h, rx)
-}
-
-/// Map a lock client event to a machine event (None: informational only).
-fn lock_event(ev: LockEvent, state: &ProbeState) -> Option<Event> {
-    match ev {
-        LockEvent::Queued { resource, position } => {
-            tracing::info!(%resource, position, "queued for the lock");
-            None
-        }
-        LockEvent::Busy { resource, holder } => {
-            tracing::info!(%resource, holder = holder.as_deref().unwrap_or("?"), "lock busy");
-            Some(Event::LockBusy)
-        }
-        LockEvent::Granted {
-            resource,
-            epoch,
-            reclaimed,
-        } => {
-            tracing::info!(%resource, epoch, reclaimed, "lock granted");
-            state.mark(if reclaimed {
-                probes::MarkKind::LockReclaimed
-            } else {
-                probes::MarkKind::LockGranted
-            });
-            Some(Event::LockGranted { epoch, reclaimed })
-        }
-        LockEvent::Revoked {
-            resource,
-            epoch,
-            reason,
-        } => {
-            tracing::warn!(%resource, epoch, %reason, "lock revoked");
-            Some(Event::Revoked(reason))
-        }
-        LockEvent::Disconnected { cause } => {
-            tracing::warn!(%cause, "lock connection broken; reconnecting");
-            state.write().lock_connected = false;
-            state
-                .metrics()
-                .lock_disconnects
-                .fetch_add(1, Ordering::Relaxed);
-            state.mark(probes::MarkKind::LockDisconnected);
-            Some(Event::LockDisconnected)
-        }
-        LockEvent::Reconnected => {
-            tracing::info!("lock connection re-established");
-            state.write().lock_connected = true;
-            state.mark(probes::MarkKind::LockReconnected);
-            Some(Event::LockReconnected)
-        }
-        LockEvent::Lost {
-            resource,
-            epoch,
-            cause,
-        } => {
-            tracing::error!(%resource, epoch, %cause, "lock lost");
-            Some(Event::LockLost(cause))
-        }
-        LockEvent::Error { code, message } => {
-            tracing::error!(%code, %message, "lockd error");
-            Some(Event::LockError(format!("lockd error {code}: {message}")))
-        }
-    }
-}
-
-/// Copy the GPU checks' counters into the `/metrics` registry.
-fn sync_check_metrics(checks: &GpuChecks, state: &ProbeState) {
-    let c = checks.counters();
-    let m = state.metrics();
-    m.gpu_wake_checks.store(c.wake_checks, Ordering::Relaxed);
-    m.gpu_wake_check_failures
-        .store(c.wake_failures, Ordering::Relaxed);
-    m.gpu_reap_checks.store(c.reap_checks, Ordering::Relaxed);
-    m.gpu_reap_timeouts
-        .store(c.reap_timeouts, Ordering::Relaxed);
-    m.gpu_engine_processes_seen
-        .store(c.engine_processes_seen, Ordering::Relaxed);
-}
-
 /// The GPU/GMS checks for `--gms` / `--gpu` (None when neither is given, or when only `--gpu`
 /// is given and no GPU driver is present: the checks module has logged that once, and the
 /// supervisor then behaves exactly as without the flags).
@@ -311,20 +112,63 @@ pub async fn run(args: RunArgs) -> Result<RunOutcome, RunError> {
     run_with_checks(args, checks).await
 }
 
+/// The POSIX signals the supervisor handles, installed once and shared by every incarnation.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    chld: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Signals, RunError> {
+        Ok(Signals {
+            term: signal(SignalKind::terminate()).map_err(RunError::Signals)?,
+            int: signal(SignalKind::interrupt()).map_err(RunError::Signals)?,
+            chld: signal(SignalKind::child()).map_err(RunError::Signals)?,
+        })
+    }
+}
+
+/// Which incarnation of the engine is being run.
+#[derive(Clone, Copy, Debug)]
+struct Incarnation {
+    /// 0 for the first, + 1 per restart (`/state.incarnation`).
+    n: u32,
+    /// `--role` for the first; always `shadow` for a re-armed one (a re-armed engine never
+    /// takes the primary's path: it sleeps, then queues on the lock).
+    role: Role,
+    /// When it began (before its lock connection): the policy's run time is measured from it.
+    started: Instant,
+}
+
+/// How one incarnation ended.
+#[derive(Debug)]
+struct IncarnationEnd {
+    /// Why it went Dead.
+    reason: DeadReason,
+    /// Whether an engine was spawned (and fenced): only then does the last one linger.
+    spawned: bool,
+}
+
 /// [`run`] with given GPU/GMS checks (None: no checks), so that tests can pass checks on a
 /// simulated device (`GpuChecks::with_device`). The flags `--gms`/`--gpu`/... are not read
 /// here: `checks` replaces them.
+///
+/// Runs incarnations of the engine in a loop: each one connects to lockd afresh, spawns its
+/// engine, drives the machine to Dead and fences (every fencing invariant holds per
+/// incarnation: its lock connection closes only after its tree is reaped). Then the pure
+/// restart policy ([`crate::restart`]) decides: a new incarnation as a shadow after a backoff
+/// (probes keep being served, `/state` shows Dead, then Init of the next incarnation), or exit.
 pub async fn run_with_checks(
     args: RunArgs,
     checks: Option<Arc<GpuChecks>>,
 ) -> Result<RunOutcome, RunError> {
     crate::fault::announce();
-    let role = args.role;
     let adapter = args.adapter.build(args.sleep_level);
     let engine_client = EngineClient::new(&args.engine_url, adapter)?;
     process::become_subreaper()?;
 
-    let probe_state = ProbeState::new(Status::new(args.engine_id, role.as_str()));
+    let probe_state = ProbeState::new(Status::new(args.engine_id, args.role.as_str()));
     bump_restart_counter(&args, &probe_state);
     let listener = tokio::net::TcpListener::bind(&args.probes)
         .await
@@ -337,41 +181,159 @@ pub async fn run_with_checks(
         let _ = probe_stop_rx.await;
     }));
 
-    let mut sigterm = signal(SignalKind::terminate()).map_err(RunError::Signals)?;
-    let mut sigint = signal(SignalKind::interrupt()).map_err(RunError::Signals)?;
-    let mut sigchld = signal(SignalKind::child()).map_err(RunError::Signals)?;
+    let mut signals = Signals::install()?;
+    let restart = args.restart_config();
 
     tracing::info!(
         engine_id = args.engine_id,
-        role = role.as_str(),
+        role = args.role.as_str(),
         lock = %args.lock,
         resource = %args.resource,
         probes = %args.probes,
+        restart = restart.mode.as_str(),
+        crash_loop_limit = restart.crash_loop_limit,
         "supervisor starting"
     );
 
+    let mut policy = RestartPolicy::new(restart);
+    let mut inc = Incarnation {
+        n: 0,
+        role: args.role,
+        started: Instant::now(),
+    };
+    loop {
+        let end = run_incarnation(
+            &args,
+            inc,
+            checks.as_ref(),
+            &engine_client,
+            &probe_state,
+            &mut signals,
+            &policy,
+        )
+        .await?;
+        let ran = inc.started.elapsed();
+        match policy.decide(&end.reason, ran) {
+            Decision::GiveUp { exit_code, why } => {
+                probe_state.write().gave_up = true;
+                tracing::info!(
+                    incarnation = inc.n,
+                    restarts = policy.total(),
+                    why = why.as_str(),
+                    reason = %end.reason,
+                    "not restarting the engine"
+                );
+                if end.spawned {
+                    linger_and_stop(&args, probe_stop_tx, probe_task).await;
+                } else {
+                    stop_probes(probe_stop_tx, probe_task).await;
+                }
+                tracing::info!(exit_code, reason = %end.reason, "supervisor exiting");
+                return Ok(RunOutcome {
+                    exit_code,
+                    reason: end.reason,
+                });
+            }
+            Decision::Restart { after } => {
+                probe_state.metrics().restart(end.reason.kind());
+                tracing::warn!(
+                    incarnation = inc.n,
+                    ran_ms = ran.as_millis() as u64,
+                    reason = %end.reason,
+                    backoff_ms = after.as_millis() as u64,
+                    consecutive = policy.consecutive(),
+                    limit = restart.crash_loop_limit,
+                    "engine incarnation over; re-arming a new one as a shadow after the backoff"
+                );
+                let stopped = tokio::select! {
+                    _ = tokio::time::sleep(after) => false,
+                    _ = signals.term.recv() => { tracing::info!("SIGTERM received during the restart backoff"); true }
+                    _ = signals.int.recv() => { tracing::info!("SIGINT received during the restart backoff"); true }
+                };
+                if stopped {
+                    probe_state.write().gave_up = true;
+                    stop_probes(probe_stop_tx, probe_task).await;
+                    tracing::info!(exit_code = 0, "supervisor exiting");
+                    return Ok(RunOutcome {
+                        exit_code: DeadReason::Stopped.exit_code(),
+                        reason: DeadReason::Stopped,
+                    });
+                }
+                inc = Incarnation {
+                    n: inc.n + 1,
+                    role: Role::Shadow,
+                    started: Instant::now(),
+                };
+                rearm(&args, inc, policy.total(), &probe_state);
+            }
+        }
+    }
+}
+
+/// `/state` and the metrics for incarnation `inc` (Dead -> Init): a fresh epoch, pid and
+/// marks (`transitions` keeps the whole history), the shadow role.
+fn rearm(args: &RunArgs, inc: Incarnation, restarts: u32, state: &ProbeState) {
+    {
+        let mut s = state.write();
+        s.incarnation = inc.n;
+        s.restarts = restarts;
+        s.role = inc.role.as_str().to_string();
+        s.epoch = None;
+        s.engine_pid = None;
+        s.engine_healthy = false;
+        s.dead_reason = None;
+        s.marks.clear();
+        s.gave_up = false;
+        // Refined once the engine is spawned (the machine's own Init deadline).
+        s.startup_deadline = Some(inc.started + args.startup_timeout);
+    }
+    state.metrics().lock_epoch.store(0, Ordering::Relaxed);
+    let at = state.enter(Phase::Init, None);
+    tracing::info!(
+        engine_id = args.engine_id,
+        role = inc.role.as_str(),
+        incarnation = inc.n,
+        restarts,
+        from = "dead",
+        to = "init",
+        at_unix_us = at,
+        "transition"
+    );
+}
+
+/// One incarnation: a fresh lock connection and anchor, the engine spawned, the machine driven
+/// to Dead, then fencing: kill and reap the whole tree, THEN close the lock connection.
+async fn run_incarnation(
+    args: &RunArgs,
+    inc: Incarnation,
+    checks: Option<&Arc<GpuChecks>>,
+    engine_client: &EngineClient,
+    probe_state: &ProbeState,
+    signals: &mut Signals,
+    policy: &RestartPolicy,
+) -> Result<IncarnationEnd, RunError> {
     // 1. The lock connection first, so that the engine can inherit it, with the anchor
     //    attached (lockd then holds the lease until every holder of the anchor's peer is gone).
-    let anchor = anchor_for(&args);
+    let anchor = anchor_for(args);
     let (anchor_keep, anchor_inherit) = match anchor {
         Some((k, i)) => (Some(Arc::new(k)), Some(i)),
         None => (None, None),
     };
     let anchored = anchor_keep.is_some();
     let mut lock = tokio::select! {
-        r = connect_lock(&args, anchor_keep) => match r {
+        r = connect_lock(args, anchor_keep) => match r {
             Ok(c) => c,
             Err(e) => {
-                tracing::error!(error = %e, "giving up: lockd unreachable");
+                tracing::error!(error = %e, "lockd unreachable");
                 let reason = DeadReason::LockUnavailable(e);
-                return Ok(finish_without_engine(&probe_state, reason, probe_stop_tx, probe_task).await);
+                return Ok(end_without_engine(probe_state, policy, inc.started, reason));
             }
         },
-        _ = sigterm.recv() => {
-            return Ok(finish_without_engine(&probe_state, DeadReason::Stopped, probe_stop_tx, probe_task).await);
+        _ = signals.term.recv() => {
+            return Ok(end_without_engine(probe_state, policy, inc.started, DeadReason::Stopped));
         }
-        _ = sigint.recv() => {
-            return Ok(finish_without_engine(&probe_state, DeadReason::Stopped, probe_stop_tx, probe_task).await);
+        _ = signals.int.recv() => {
+            return Ok(end_without_engine(probe_state, policy, inc.started, DeadReason::Stopped));
         }
     };
     probe_state.write().lock_connected = true;
@@ -383,7 +345,7 @@ pub async fn run_with_checks(
     let anchor_fd = anchor_inherit.as_ref().map(|f| f.as_raw_fd());
     let spec = EngineSpec {
         argv: args.cmd.clone(),
-        env: engine_env(&args, lock_fd.as_raw_fd(), anchor_fd),
+        env: engine_env(args, lock_fd.as_raw_fd(), anchor_fd),
         pid_namespace: args.pid_namespace,
     };
     let mut inherit = vec![lock_fd.as_raw_fd()];
@@ -404,14 +366,22 @@ pub async fn run_with_checks(
     tracing::info!(pid = engine.pid, cmd = ?args.cmd, "engine spawned");
 
     let (health_task, mut health_rx) =
-        spawn_health(engine_client.clone(), probe_state.clone(), &args);
+        spawn_health(engine_client.clone(), probe_state.clone(), args);
     let mcfg = MachineConfig {
-        role,
+        role: inc.role,
         startup_timeout: args.startup_timeout,
         waking_timeout: args.waking_timeout,
         wake_checks: checks.is_some(),
+        anchored,
     };
     let mut machine = Machine::new(mcfg, Instant::now());
+    {
+        // The supervisor is up (`/startup` 200 from now on); `/live` bounds Init by this
+        // incarnation's startup budget.
+        let mut s = probe_state.write();
+        s.started = true;
+        s.startup_deadline = machine.state.deadline().map(|(_, at)| at);
+    }
     let mut op: Option<(Op, JoinHandle<Result<(), AdapterError>>)> = None;
     let mut granted_at: Option<Instant> = None;
     let mut waking_at: Option<Instant> = None;
@@ -425,7 +395,7 @@ pub async fn run_with_checks(
     let mut pin_tick = tokio::time::interval(PIN_INTERVAL);
     pin_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     if anchored {
-        pin_tree(&mut pins, &mut lock, &probe_state).await;
+        pin_tree(&mut pins, &mut lock, probe_state).await;
     }
     // Events produced while carrying out actions (e.g. a failed acquire), handled first.
     let mut pending: VecDeque<Event> = VecDeque::new();
@@ -434,7 +404,7 @@ pub async fn run_with_checks(
     // `GpuChecks::before_wake` in flight (its result becomes WakeCheckPassed/Failed).
     let mut wake_check: Option<JoinHandle<Result<WakeReport, CheckError>>> = None;
 
-    let reason = 'main: loop {
+    let (reason, lease_held) = 'main: loop {
         let deadline = machine.state.deadline();
         let event = if let Some(ev) = pending.pop_front() {
             Some(ev)
@@ -449,16 +419,16 @@ pub async fn run_with_checks(
                 Some(Event::EngineExited(st))
             }
             ev = lock.next_event() => match ev {
-                Some(ev) => lock_event(ev, &probe_state),
+                Some(ev) => lock_event(ev, probe_state),
                 None => Some(Event::LockClosed("lock client closed".into())),
             },
-            _ = sigterm.recv() => { tracing::info!("SIGTERM received"); Some(Event::Terminate) }
-            _ = sigint.recv() => { tracing::info!("SIGINT received"); Some(Event::Terminate) }
+            _ = signals.term.recv() => { tracing::info!("SIGTERM received"); Some(Event::Terminate) }
+            _ = signals.int.recv() => { tracing::info!("SIGINT received"); Some(Event::Terminate) }
             _ = pin_tick.tick(), if anchored && !engine_gone => {
-                pin_tree(&mut pins, &mut lock, &probe_state).await;
+                pin_tree(&mut pins, &mut lock, probe_state).await;
                 None
             }
-            _ = sigchld.recv() => {
+            _ = signals.chld.recv() => {
                 for pid in process::reap_orphans(engine.pid) {
                     tracing::info!(pid, "reaped orphaned engine descendant");
                 }
@@ -480,8 +450,8 @@ pub async fn run_with_checks(
             }
             r = async { wake_check.as_mut().expect("guarded").await }, if wake_check.is_some() => {
                 wake_check = None;
-                if let Some(c) = &checks {
-                    sync_check_metrics(c, &probe_state);
+                if let Some(c) = checks {
+                    sync_check_metrics(c, probe_state);
                 }
                 // The check has logged what it saw (and, on failure, its cause) already.
                 match r {
@@ -517,29 +487,6 @@ pub async fn run_with_checks(
             // reclaimed lease stays bound to every process of the engine's tree.
             probe_state.mark(probes::MarkKind::LockAnchorReattached);
         }
-        if event == Event::LockReconnected && !anchored {
-            // The engine holds a duplicate of the old connection only: hand the new one to a
-            // keeper that lives until the engine has exited.
-            match lock
-                .inheritable_fd()
-                .and_then(|fd| process::spawn_keeper(&fd, &engine))
-            {
-                Ok(k) => {
-                    tracing::info!(pid = k.pid, "lock keeper holds the new lock connection");
-                    probe_state.mark(probes::MarkKind::LockKeeperSpawned);
-                    if let Some(old) = keeper.replace(k) {
-                        // Our own child; reaped on SIGCHLD.
-                        let _ = nix::sys::signal::kill(
-                            nix::unistd::Pid::from_raw(old.pid),
-                            nix::sys::signal::Signal::SIGKILL,
-                        );
-                    }
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot start a lock keeper; a supervisor crash now releases the lock before the engine is dead")
-                }
-            }
-        }
         let before = machine.state.phase();
         let now = Instant::now();
         let actions = machine.feed(&event, now);
@@ -549,6 +496,12 @@ pub async fn run_with_checks(
                 State::Waking { deadline, .. } => Some(*deadline),
                 _ => None,
             };
+            if let State::Dead(r) = &machine.state {
+                // `/live` in Dead: 200 while a new incarnation will follow, 503 once the
+                // supervisor is giving up (it exits after fencing).
+                let gave_up = policy.would_give_up(r, now.saturating_duration_since(inc.started));
+                probe_state.write().gave_up = gave_up;
+            }
             if after == Phase::Active {
                 // The wake was just confirmed by the engine (or, for a primary that never
                 // slept, its health check just passed): it is healthy now.
@@ -570,7 +523,8 @@ pub async fn run_with_checks(
             }
             tracing::info!(
                 engine_id = args.engine_id,
-                role = role.as_str(),
+                role = inc.role.as_str(),
+                incarnation = inc.n,
                 from = before.as_str(),
                 to = after.as_str(),
                 event = ?event,
@@ -590,7 +544,7 @@ pub async fn run_with_checks(
                 Action::Sleep => {
                     let c = engine_client.clone();
                     let t = args.sleep_timeout;
-                    let gpu = checks.clone();
+                    let gpu = checks.cloned();
                     tracing::info!("putting engine to sleep");
                     op = Some((
                         Op::Sleep,
@@ -614,7 +568,7 @@ pub async fn run_with_checks(
                     op = Some((Op::Wake, tokio::spawn(async move { c.wake(t).await })));
                 }
                 Action::RememberLayout => {
-                    if let Some(c) = checks.clone() {
+                    if let Some(c) = checks.cloned() {
                         standby_check = Some(tokio::spawn(async move {
                             // Informational: before_wake checks "committed" without it.
                             if let Err(e) = c.at_standby().await {
@@ -624,7 +578,7 @@ pub async fn run_with_checks(
                     }
                 }
                 Action::CheckBeforeWake => {
-                    if let Some(c) = checks.clone() {
+                    if let Some(c) = checks.cloned() {
                         let standby = standby_check.take();
                         probe_state.mark(probes::MarkKind::GpuCheckStarted);
                         tracing::info!("lock granted: checking GMS/GPU before waking the engine");
@@ -648,7 +602,33 @@ pub async fn run_with_checks(
                     probe_state.write().epoch = Some(e);
                     probe_state.metrics().lock_epoch.store(e, Ordering::Relaxed);
                 }
-                Action::Fence(r) => break 'main r,
+                Action::SpawnKeeper => {
+                    // The engine holds a duplicate of the old connection only: hand the new
+                    // one to a keeper that lives until the engine has exited.
+                    match lock
+                        .inheritable_fd()
+                        .and_then(|fd| process::spawn_keeper(&fd, &engine))
+                    {
+                        Ok(k) => {
+                            tracing::info!(
+                                pid = k.pid,
+                                "lock keeper holds the new lock connection"
+                            );
+                            probe_state.mark(probes::MarkKind::LockKeeperSpawned);
+                            if let Some(old) = keeper.replace(k) {
+                                // Our own child; reaped on SIGCHLD.
+                                let _ = nix::sys::signal::kill(
+                                    nix::unistd::Pid::from_raw(old.pid),
+                                    nix::sys::signal::Signal::SIGKILL,
+                                );
+                            }
+                        }
+                        Err(e) => {
+                            tracing::error!(error = %e, "cannot start a lock keeper; a supervisor crash now releases the lock before the engine is dead")
+                        }
+                    }
+                }
+                Action::Fence { reason, lease_held } => break 'main (reason, lease_held),
             }
         }
     };
@@ -673,6 +653,10 @@ pub async fn run_with_checks(
     #[cfg(any(debug_assertions, feature = "planted-bugs"))]
     crate::fault::planted_bug_early_release(&mut lock, &args.resource).await;
     let report = process::fence(&mut engine, reason.urgent(), args.stop_grace).await;
+    if let Some(k) = keeper.take() {
+        // The keeper exits once the engine has (it polls its pid); reaped on SIGCHLD.
+        tracing::debug!(pid = k.pid, "lock keeper left to exit with the engine");
+    }
     probe_state.mark(probes::MarkKind::Fenced);
     probe_state
         .metrics()
@@ -689,57 +673,19 @@ pub async fn run_with_checks(
     );
     // 4. GPU memory: the tree is dead and reaped; if we held the lock, wait (bounded) until the
     //    device shows the engine's memory released BEFORE letting the lock go (Decision 7).
-    if let Some(c) = &checks {
-        let held = granted_at.is_some()
-            && !matches!(reason, DeadReason::LockLost(_) | DeadReason::Revoked(_));
-        if held {
-            after_reap_check(c, &report.pids, &args, &probe_state).await;
+    if let Some(c) = checks {
+        if lease_held {
+            after_reap_check(c, &report.pids, args, probe_state).await;
         }
     }
     lock.close().await;
     probe_state.write().lock_connected = false;
     probe_state.mark(probes::MarkKind::LockClosed);
     tracing::info!("lock connection closed");
-    let outcome = RunOutcome {
-        exit_code: reason.exit_code(),
+    Ok(IncarnationEnd {
         reason,
-    };
-    linger_and_stop(&args, probe_stop_tx, probe_task).await;
-    tracing::info!(exit_code = outcome.exit_code, reason = %outcome.reason, "supervisor exiting");
-    Ok(outcome)
-}
-
-/// `GpuChecks::after_reap` with the pids fencing saw. A timeout is logged at error and counted,
-/// and the lock is released anyway (README.md, "GPU/GMS checks"): the whole tree is provably
-/// dead, so what still pins the memory is out of the supervisor's reach, and holding the lock
-/// would block failover for good; the next engine's `--min-free-memory` wait gates its wake.
-async fn after_reap_check(checks: &GpuChecks, pids: &[i32], args: &RunArgs, state: &ProbeState) {
-    let pids: Vec<u32> = pids.iter().filter_map(|p| u32::try_from(*p).ok()).collect();
-    // after_reap bounds itself; the outer bound only guards against a hung device query.
-    let bound = args.memory_release_timeout + Duration::from_secs(5);
-    match tokio::time::timeout(bound, checks.after_reap(&pids)).await {
-        Ok(Ok(rep)) => {
-            tracing::info!(
-                matched_by = ?rep.matched_by,
-                waited_ms = rep.waited.as_millis() as u64,
-                engine_processes_seen = rep.engine_processes_seen,
-                free_before = ?rep.free_before,
-                free_after = ?rep.free_after,
-                "GPU memory check after reap passed"
-            );
-        }
-        Ok(Err(e)) => {
-            tracing::error!(cause = %e, "GPU memory of the dead engine NOT released in time; releasing the lock anyway (the next engine may OOM)");
-        }
-        Err(_) => {
-            tracing::error!(
-                bound_ms = bound.as_millis() as u64,
-                "GPU memory check after reap hung; releasing the lock anyway"
-            );
-        }
-    }
-    state.mark(probes::MarkKind::MemoryReleaseChecked);
-    sync_check_metrics(checks, state);
+        spawned: true,
+    })
 }
 
 async fn linger_and_stop(
@@ -754,19 +700,30 @@ async fn linger_and_stop(
     let _ = tokio::time::timeout(Duration::from_secs(1), task).await;
 }
 
-async fn finish_without_engine(
-    state: &ProbeState,
-    reason: DeadReason,
+async fn stop_probes(
     stop: tokio::sync::oneshot::Sender<()>,
     task: JoinHandle<Result<(), probes::ProbeError>>,
-) -> RunOutcome {
-    state.write().dead_reason = Some(reason.to_string());
-    state.enter(Phase::Dead, None);
-    tracing::info!(from = "init", to = "dead", reason = %reason, "transition");
+) {
     let _ = stop.send(());
     let _ = tokio::time::timeout(Duration::from_secs(1), task).await;
-    RunOutcome {
-        exit_code: reason.exit_code(),
+}
+
+/// An incarnation that ended before its engine was spawned (lockd unreachable, or a stop).
+fn end_without_engine(
+    state: &ProbeState,
+    policy: &RestartPolicy,
+    started: Instant,
+    reason: DeadReason,
+) -> IncarnationEnd {
+    {
+        let mut s = state.write();
+        s.dead_reason = Some(reason.to_string());
+        s.gave_up = policy.would_give_up(&reason, started.elapsed());
+    }
+    state.enter(Phase::Dead, None);
+    tracing::info!(from = "init", to = "dead", reason = %reason, "transition");
+    IncarnationEnd {
         reason,
+        spawned: false,
     }
 }
