@@ -386,33 +386,9 @@ async fn vllm_wake(e: &Engine, q: &[(String, String)]) -> Response<Full<Bytes>> 
         Ok(x) => x,
         Err(m) => return bad_request(m),
     };
-    tokio::time::sleep(e.args.wake).await;
-    if let Some(r) = injected(e, FailAt::Wake) {
+    if let Err(r) = remap(e, weights, kv, true).await {
         return r;
     }
-    if let Err(msg) = e.before_wake() {
-        return reply(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            serde_json::json!({ "error": msg }).to_string(),
-        );
-    }
-    e.update(|s| {
-        if weights {
-            s.weights = match s.weights {
-                Weights::Offloaded => Weights::Loaded,
-                Weights::Discarded => Weights::Garbage,
-                w => w,
-            };
-        }
-        if kv {
-            s.kv_asleep = false;
-        }
-        // Scheduling resumes once every tag is awake.
-        if !s.asleep() {
-            s.paused = false;
-        }
-    });
-    e.after_wake();
     ok()
 }
 
@@ -549,21 +525,38 @@ async fn resume_memory(e: &Engine, body: &[u8]) -> Response<Full<Bytes>> {
         Ok(x) => x,
         Err(m) => return bad_request(m),
     };
-    tokio::time::sleep(e.args.wake).await;
-    if let Some(r) = injected(e, FailAt::Wake) {
+    if let Err(r) = remap(e, weights, kv, false).await {
         return r;
     }
+    reply(StatusCode::OK, "null".into())
+}
+
+/// The wake path both personalities share: the configured wake delay, an injected failure,
+/// the GPU claim/simulated device (`before_wake`), then the tags' memory comes back —
+/// offloaded weights as they were, discarded ones as garbage (vLLM level 2 without the reload;
+/// SGLang without `--enable-weights-cpu-backup`: the remapped memory is undefined). vLLM
+/// resumes scheduling once every tag is awake (`resume_scheduling`); SGLang waits for
+/// `/continue_generation`.
+async fn remap(
+    e: &Engine,
+    weights: bool,
+    kv: bool,
+    resume_scheduling: bool,
+) -> Result<(), Response<Full<Bytes>>> {
+    tokio::time::sleep(e.args.wake).await;
+    if let Some(r) = injected(e, FailAt::Wake) {
+        return Err(r);
+    }
     if let Err(msg) = e.before_wake() {
-        return reply(
+        return Err(reply(
             StatusCode::INTERNAL_SERVER_ERROR,
             serde_json::json!({ "error": msg }).to_string(),
-        );
+        ));
     }
     e.update(|s| {
         if weights {
             s.weights = match s.weights {
                 Weights::Offloaded => Weights::Loaded,
-                // Without --enable-weights-cpu-backup the remapped memory is undefined.
                 Weights::Discarded => Weights::Garbage,
                 w => w,
             };
@@ -571,9 +564,12 @@ async fn resume_memory(e: &Engine, body: &[u8]) -> Response<Full<Bytes>> {
         if kv {
             s.kv_asleep = false;
         }
+        if resume_scheduling && !s.asleep() {
+            s.paused = false;
+        }
     });
     e.after_wake();
-    reply(StatusCode::OK, "null".into())
+    Ok(())
 }
 
 /// `GET /health`.
