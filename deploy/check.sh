@@ -111,7 +111,8 @@ for k in $K8S_VERSIONS; do
 done
 
 echo "== deploy: consistency checks"
-"$PY" deploy/check_manifests.py "$out/vllm.yaml" "$out/sglang.yaml"
+"$PY" deploy/check_manifests.py --supervisor-start \
+  "$(sed -n 's/^  supervisorStartTimeout: *//p' "$CHART/values.yaml")" "$out/vllm.yaml" "$out/sglang.yaml"
 "$PY" deploy/check_manifests.py --self-test "$out/vllm.yaml"
 
 echo "== deploy: dashboard metric names exist in the code"
@@ -129,15 +130,18 @@ cargo build --quiet -p lockd -p supervisor -p fake-engine -p gms-client --bins
 "$PY" deploy/pod_e2e.py --bin-dir "${CARGO_TARGET_DIR:-target}/debug" --manifest deploy/rendered/vllm.yaml
 
 echo "== deploy: derived, not typed: other timeouts, periods and TP sizes"
-render "$CHART/values-vllm.yaml" --set timeouts.modelLoadTimeout=95m --set probes.startup.periodSeconds=7 \
+render "$CHART/values-vllm.yaml" --set timeouts.modelLoadTimeout=95m --set probes.startup.periodSeconds=2 \
+  --set timeouts.supervisorStartTimeout=45s \
   --set timeouts.wakingTimeout=45s --set engine.tensorParallelSize=4 > "$out/variant1.yaml"
-render "$CHART/values-sglang.yaml" --set timeouts.modelLoadTimeout=14400 --set probes.startup.periodSeconds=30 \
+render "$CHART/values-sglang.yaml" --set timeouts.modelLoadTimeout=14400 --set timeouts.supervisorStartTimeout=90 \
   --set probes.liveness.periodSeconds=2 --set probes.liveness.failureThreshold=5 > "$out/variant2.yaml"
-"$PY" deploy/check_manifests.py "$out/variant1.yaml" "$out/variant2.yaml"
+"$PY" deploy/check_manifests.py --supervisor-start 45s "$out/variant1.yaml"
+"$PY" deploy/check_manifests.py --supervisor-start 90 "$out/variant2.yaml"
 "$TOOLS/venv/bin/kubernetes-validate" --strict --quiet -k 1.34.0 "$out/variant1.yaml" "$out/variant2.yaml"
 # values.schema.json and the template guards must refuse bad values at render time.
 for bad in timeouts.modelLoadTimeout=2hours timeout.waking=1s engine.adapter=tgi \
-           timeouts.engineStopGrace=30s engine.tensorParallelSize=0; do
+           timeouts.engineStopGrace=30s engine.tensorParallelSize=0 \
+           timeouts.supervisorStartTimeout=3h timeouts.supervisorStartTimeout=soon; do
   if render "$CHART/values-vllm.yaml" --set "$bad" > /dev/null 2>&1; then
     echo "FAIL: the chart accepted --set $bad" >&2
     exit 1

@@ -12,7 +12,10 @@ objects agree with each other and with the supervisor's contract:
     container that touches the GPUs, and no nvidia.com/gpu requests or limits anywhere;
   * probes: arithmetic between kubelet's probe settings and the supervisor's timeouts.
 
-Usage: check_manifests.py FILE...        exit 1 with one line per problem
+Usage: check_manifests.py [--supervisor-start DURATION] FILE...
+                                         exit 1 with one line per problem; with
+                                         --supervisor-start, the engines' startup budget must be
+                                         derived from that timeouts.supervisorStartTimeout
        check_manifests.py --self-test FILE   mutate FILE in known-bad ways; each must be caught
 """
 from __future__ import annotations
@@ -25,6 +28,9 @@ from typing import Any
 import yaml
 
 GPU_COMMANDS = ("supervisor", "gmsd", "vllm", "python3", "python")
+# Longest sensible startup-probe budget of an engine container: the supervisor coming up
+# (flags, probes bound, lockd reached, engine spawned), never the model load.
+MAX_SUPERVISOR_START = 300
 
 
 def seconds(text: str) -> float:
@@ -58,8 +64,11 @@ def engine_flag(cmd: list[str], name: str) -> str | None:
 
 
 class Checker:
-    def __init__(self, docs: list[dict[str, Any]], label: str):
+    def __init__(self, docs: list[dict[str, Any]], label: str, supervisor_start: float | None = None):
         self.docs = [d for d in docs if d]
+        # timeouts.supervisorStartTimeout of the values rendered, when known: the startup budget
+        # must be derived from it, tightly (not typed).
+        self.supervisor_start = supervisor_start
         self.label = label
         self.errors: list[str] = []
 
@@ -317,12 +326,22 @@ class Checker:
         period, ft = sp.get("periodSeconds", 10), sp.get("failureThreshold", 3)
         delay = sp.get("initialDelaySeconds", 0)
         # kubelet kills at the ft-th consecutive failure: at the earliest (ft-1)*period after
-        # the first probe, which is at initialDelay at the earliest.
+        # the first probe, which is at initialDelay at the earliest. /startup is 200 once the
+        # supervisor is up (seconds); the model load is the supervisor's own --startup-timeout,
+        # seen by kubelet through /live (200 in Init until it, 503 after).
         budget = delay + (ft - 1) * period
-        if budget < startup_to:
-            self.err(f"{n}: startup budget {budget}s < --startup-timeout {startup_to}s: a slow load is killed")
-        if budget > startup_to + 2 * period + sp.get("timeoutSeconds", 1):
-            self.err(f"{n}: startup budget {budget}s far beyond --startup-timeout {startup_to}s (typed twice?)")
+        if budget < 10:
+            self.err(f"{n}: startup budget {budget}s: too short for the supervisor to reach lockd and spawn")
+        if budget > MAX_SUPERVISOR_START or budget >= startup_to:
+            self.err(f"{n}: startup budget {budget}s is a model-load budget (--startup-timeout {startup_to}s): "
+                     f"a restarted engine container would hold the pod NotReady; /startup needs seconds")
+        ss = self.supervisor_start
+        if ss is not None and not ss <= budget < ss + period:
+            self.err(f"{n}: startup budget {budget}s is not derived from supervisorStartTimeout {ss}s "
+                     f"(want [{ss}, {ss + period}))")
+        if period > 2:
+            self.err(f"{n}: startup periodSeconds {period}: a restarted engine container stays NotReady "
+                     f"up to a period after its supervisor is up")
         lp = c.get("livenessProbe", {})
         lperiod, lft = lp.get("periodSeconds", 10), lp.get("failureThreshold", 3)
         # A hung wake: /live turns 503 at waking; the first failing probe is within one period,
@@ -334,6 +353,11 @@ class Checker:
             self.err(f"{n}: liveness failureThreshold 1 kills an Active engine on one slow health check")
         if lp.get("initialDelaySeconds", 0) != 0:
             self.err(f"{n}: liveness initialDelaySeconds is useless after a startup probe")
+        # A load that never ends: /live turns 503 at --startup-timeout (counted from the spawn,
+        # before the startup probe passed), the kill lft-1 periods after the first failing probe.
+        # Not before --startup-timeout: the liveness probe alone never kills a loading engine.
+        if startup_to < 60:
+            self.err(f"{n}: --startup-timeout {startup_to}s is no model-load budget")
 
     def check_router(self, router, cm, engines, svc) -> None:
         if not router:
@@ -410,8 +434,13 @@ def mutations(docs):
     eng(d, 0)["resources"].setdefault("limits", {})["nvidia.com/gpu"] = 1
     out.append(("a GPU limit next to the claim", d))
     d = copy.deepcopy(docs)
-    eng(d, 0)["startupProbe"]["failureThreshold"] = 360
-    out.append(("startup budget of 1h for a 2h load", d))
+    eng(d, 0)["startupProbe"]["failureThreshold"] = 721
+    eng(d, 0)["startupProbe"]["periodSeconds"] = 10
+    out.append(("startup probe sized for the 2h model load (the old design: pod NotReady for a reload)", d))
+    d = copy.deepcopy(docs)
+    eng(d, 1)["startupProbe"]["periodSeconds"] = 1
+    eng(d, 1)["startupProbe"]["failureThreshold"] = 2
+    out.append(("startup budget of 1s: the supervisor cannot reach lockd in time", d))
     d = copy.deepcopy(docs)
     eng(d, 1)["readinessProbe"] = {"httpGet": {"path": "/ready", "port": 9001}, "periodSeconds": 1}
     out.append(("readinessProbe on the standing-by shadow", d))
@@ -443,8 +472,11 @@ def main(argv: list[str]) -> int:
             bad += not errs
         return 1 if bad else 0
     errors = []
+    supervisor_start = None
+    if argv[:1] == ["--supervisor-start"]:
+        supervisor_start, argv = seconds(argv[1]), argv[2:]
     for path in argv:
-        errs = Checker(load(path), path).run()
+        errs = Checker(load(path), path, supervisor_start).run()
         errors += errs
         if not errs:
             print(f"ok: {path}")

@@ -44,15 +44,23 @@ Duration -> integer seconds. Accepts an integer (seconds) or "N", "Ns", "Nm", "N
 {{- define "failover.modelLoadSeconds" -}}{{ include "failover.seconds" .Values.timeouts.modelLoadTimeout }}{{- end -}}
 {{- define "failover.wakingSeconds" -}}{{ include "failover.seconds" .Values.timeouts.wakingTimeout }}{{- end -}}
 
+{{- define "failover.supervisorStartSeconds" -}}{{ include "failover.seconds" .Values.timeouts.supervisorStartTimeout }}{{- end -}}
+
 {{/*
-Startup probe failureThreshold. kubelet kills at the failureThreshold-th consecutive failure,
-which happens (failureThreshold - 1) * period after the first probe at the earliest. So
-ceil(modelLoad / period) + 1 guarantees (failureThreshold - 1) * period >= modelLoad.
+Engine startup probe failureThreshold. /startup answers 200 once the supervisor is up (flags
+valid, probes bound, lock reachable, engine spawned): seconds, not the model load, which the
+supervisor bounds itself (--startup-timeout = modelLoadTimeout; /live answers 503 in Init after
+it). kubelet kills at the failureThreshold-th consecutive failure, which happens
+(failureThreshold - 1) * period after the first probe at the earliest. So
+ceil(supervisorStartTimeout / period) + 1 guarantees (failureThreshold - 1) * period >=
+supervisorStartTimeout.
 */}}
 {{- define "failover.startupFailureThreshold" -}}
+{{- $up := include "failover.supervisorStartSeconds" . | atoi -}}
 {{- $load := include "failover.modelLoadSeconds" . | atoi -}}
+{{- if ge $up $load }}{{ fail "timeouts.supervisorStartTimeout must be shorter than timeouts.modelLoadTimeout" }}{{ end -}}
 {{- $p := int .Values.probes.startup.periodSeconds -}}
-{{- add (div (add $load (sub $p 1)) $p) 1 -}}
+{{- add (div (add $up (sub $p 1)) $p) 1 -}}
 {{- end -}}
 
 {{/* Socket paths: the ONE place they are spelled. */}}
