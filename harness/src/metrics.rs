@@ -149,6 +149,16 @@ impl Metrics {
     }
 }
 
+/// Every sample of an exposition (see [`Metrics::parse`]).
+pub fn samples(text: &str) -> Vec<Sample> {
+    Metrics::parse(text).samples
+}
+
+/// The value of exactly one series of an exposition (see [`Metrics::series`]).
+pub fn series(text: &str, series: &str) -> f64 {
+    Metrics::parse(text).series(series)
+}
+
 /// GET `/metrics` on loopback `port` through the workspace's HTTP client; panics unless the
 /// answer is 200.
 pub fn scrape(port: u16) -> Metrics {

@@ -371,15 +371,8 @@ mod tests {
     use std::net::SocketAddr;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// Every sample, through the workspace's one exposition reader (`harness::metrics`).
-    fn samples(text: &str) -> Vec<harness::metrics::Sample> {
-        harness::metrics::Metrics::parse(text).samples
-    }
-
-    /// The value of exactly one series (`name{k="v",...}`), failing loudly when it is absent.
-    fn value(text: &str, series: &str) -> f64 {
-        harness::metrics::Metrics::parse(text).series(series)
-    }
+    // The workspace's one exposition reader.
+    use harness::metrics::{samples, series as value};
 
     fn counters(grants: u64) -> Counters {
         Counters {

@@ -359,15 +359,8 @@ impl Metrics {
 mod tests {
     use super::*;
 
-    /// Every sample, through the workspace's one exposition reader (`harness::metrics`).
-    fn samples(text: &str) -> Vec<harness::metrics::Sample> {
-        harness::metrics::Metrics::parse(text).samples
-    }
-
-    /// The value of exactly one series (`name{k="v",...}`), failing loudly when it is absent.
-    fn value(text: &str, series: &str) -> f64 {
-        harness::metrics::Metrics::parse(text).series(series)
-    }
+    // The workspace's one exposition reader.
+    use harness::metrics::{samples, series as value};
 
     /// Metric family names declared by `# TYPE` lines, with their types.
     fn types(text: &str) -> Vec<(String, String)> {
