@@ -21,6 +21,7 @@ Usage: check_manifests.py [--supervisor-start DURATION] FILE...
 from __future__ import annotations
 
 import copy
+import os
 import re
 import sys
 from typing import Any
@@ -370,9 +371,12 @@ class Checker:
             return
         cfg = cm["data"]["haproxy.cfg"]
         m = re.search(r"default-server inter (\d+)s fall (\d+) rise (\d+)", cfg)
-        if not m or (int(m.group(1)), int(m.group(2)), int(m.group(3))) != (
-            rp.get("periodSeconds"), rp.get("failureThreshold"), rp.get("successThreshold")):
-            self.err("router health checks (inter/fall/rise) differ from the readiness numbers")
+        if not m or (int(m.group(1)), int(m.group(3))) != (rp.get("periodSeconds"), rp.get("successThreshold")):
+            self.err("router health checks (inter/rise) differ from the readiness numbers")
+        elif int(m.group(2)) < 2:
+            self.err("router check fall 1: one slow /ready check of a healthy Active engine sends traffic "
+                     "to the sleeping shadow")
+        self.check_router_push(router, cfg, engines)
         m = re.search(r"http-request deny deny_status 403 unless \{ path_beg ([^}]*)\}", cfg)
         if not m:
             self.err("router must forward an allow-list of paths only (deny ... unless { path_beg ... })")
@@ -384,7 +388,9 @@ class Checker:
                     self.err(f"router allows {prefix}, which reaches an engine control endpoint")
         if "option httpchk GET /ready" not in cfg:
             self.err("router must health-check the supervisors' /ready")
-        servers = re.findall(r"server (\S+) 127\.0\.0\.1:(\d+) check port (\d+) init-state down\n", cfg)
+        servers = re.findall(r"server (\S+) 127\.0\.0\.1:(\d+) check port (\d+) observe layer4 error-limit 1 "
+                             r"on-error mark-down init-state down\n", cfg)
+        twins = re.findall(r"server (\S+)-standby 127\.0\.0\.1:(\d+) backup disabled\n", cfg)
         want = []
         for c in engines:
             cmd = c.get("command", []) + c.get("args", [])
@@ -392,15 +398,56 @@ class Checker:
                          (flag(cmd, "--probes") or ":").rsplit(":", 1)[1]))
         if sorted(servers) != sorted(want):
             self.err(f"router servers {servers} do not match the engines {want}")
+        if sorted(twins) != sorted((n, p) for n, p, _ in want):
+            self.err(f"router standby (backup) servers {twins} do not match the engines {want}")
         hp = rp.get("httpGet", {}).get("port")
-        if not re.search(rf"bind :{hp}\n(.*\n)*?.*if {{ path /healthz }} {{ nbsrv\(engines\) ge 1 }}", cfg):
-            self.err("router readinessProbe does not hit the 'an engine is ready' endpoint")
+        up = " || ".join(f"{{ srv_is_up(engines/{n}) }}" for n, _, _ in sorted(want))
+        if not re.search(rf"bind :{hp}\n(.*\n)*?.*if {{ path /healthz }} {re.escape(up)}\s*\n", cfg):
+            self.err("router readinessProbe does not hit the 'an engine is Active' endpoint (srv_is_up of "
+                     "every engine's serving server, never a backup: a sleeping shadow is not ready)")
         if svc:
             tp = svc["spec"]["ports"][0]["targetPort"]
             names = {p.get("name"): p["containerPort"] for p in router.get("ports", [])}
             port = names.get(tp, tp)
             if not re.search(rf"frontend openai\n\s+bind :{port}\n", cfg):
                 self.err(f"Service targetPort {tp} is not the router's traffic frontend")
+
+
+    def check_router_push(self, router, cfg: str, engines) -> None:
+        """The supervisors push their state to the router's runtime API, and the router retries a
+        request whose engine died under it (README "Router")."""
+        m = re.search(r"stats socket (\S+) .*level admin", cfg)
+        sock = m.group(1) if m else None
+        if not sock:
+            self.err("router has no admin runtime API socket (stats socket ... level admin)")
+        mounts = {v["mountPath"] for v in router.get("volumeMounts", [])}
+        if sock and os.path.dirname(sock) not in mounts:
+            self.err(f"router socket {sock} is not on a volume the router mounts")
+        for c in engines:
+            cmd = c.get("command", []) + c.get("args", [])
+            if flag(cmd, "--router-socket") != sock:
+                self.err(f"{c['name']}: --router-socket {flag(cmd, '--router-socket')} is not the router's {sock}")
+            if flag(cmd, "--router-server") != f"engines/{c['name']}":
+                self.err(f"{c['name']}: --router-server {flag(cmd, '--router-server')} is not engines/{c['name']}")
+            emounts = {v["mountPath"] for v in c.get("volumeMounts", [])}
+            if sock and os.path.dirname(sock) not in emounts:
+                self.err(f"{c['name']}: the router socket's volume is not mounted")
+        r = re.search(r"retry-on ([^\n]*)", cfg)
+        kinds = set(r.group(1).split()) if r else set()
+        if not {"conn-failure", "empty-response"} <= kinds:
+            self.err("router does not retry a request whose engine died (retry-on conn-failure empty-response)")
+        if "response-timeout" in kinds or "all-retryable-errors" in kinds:
+            self.err("router retries timed-out requests (a 10-minute generation run twice)")
+        n = re.search(r"\n\s*retries (\d+)", cfg)
+        if not n or int(n.group(1)) < 1:
+            self.err("router retries 0 times")
+        if not re.search(r"option redispatch 1\n", cfg):
+            self.err("router retries on the same (dead) server: option redispatch 1 missing")
+        if "option http-buffer-request" not in cfg:
+            self.err("router does not buffer request bodies: a POST cannot be replayed")
+        t = re.search(r"timeout connect (\d+)(ms|s)\n", cfg)
+        if not t or int(t.group(1)) * (1 if t.group(2) == "ms" else 1000) > 100:
+            self.err("router timeout connect > 100ms: HAProxy pauses min(timeout connect, 1s) before a retry")
 
 
 def load(path: str) -> list[dict[str, Any]]:
@@ -458,6 +505,32 @@ def mutations(docs):
     cm = next(x for x in d if x and x["kind"] == "ConfigMap")
     cm["data"]["haproxy.cfg"] = cm["data"]["haproxy.cfg"].replace("path_beg /v1/", "path_beg /v1/ /sleep")
     out.append(("router forwards /sleep", d))
+
+    def cfg_edit(d, a, b):
+        cm = next(x for x in d if x and x["kind"] == "ConfigMap")
+        assert a in cm["data"]["haproxy.cfg"], a
+        cm["data"]["haproxy.cfg"] = cm["data"]["haproxy.cfg"].replace(a, b)
+    for desc, a, b in [
+        ("router without L7 retries", "retry-on conn-failure empty-response", "retry-on 503"),
+        ("router retries on the same dead server", "option redispatch 1", "option redispatch -1"),
+        ("router without a standby (backup) server", "-standby 127.0.0.1:8001 backup disabled", "-standby 127.0.0.1:8001 disabled"),
+        ("router /healthz counts backup servers (a sleeping shadow makes the pod Ready)",
+         "{ srv_is_up(engines/engine-0) } || { srv_is_up(engines/engine-1) }", "{ nbsrv(engines) ge 1 }"),
+        ("router check fall 1", "fall 3", "fall 1"),
+        ("router pauses 1s before a retry", "timeout connect 20ms", "timeout connect 2s"),
+    ]:
+        d = copy.deepcopy(docs)
+        cfg_edit(d, a, b)
+        out.append((desc, d))
+    d = copy.deepcopy(docs)
+    c = eng(d, 1)["command"]
+    i = c.index("--router-socket")
+    del c[i:i + 4]
+    out.append(("shadow does not push its state to the router", d))
+    d = copy.deepcopy(docs)
+    r = next(c for c in dep(d)["containers"] if c["name"] == "router")
+    r["volumeMounts"] = [v for v in r["volumeMounts"] if v["name"] != "sockets"]
+    out.append(("router socket not on the shared volume", d))
     return out
 
 

@@ -192,7 +192,7 @@ def main() -> int:
         # Router config with the same port map as everything else.
         cfg = re.sub(r"(bind :|127\.0\.0\.1:|check port )(\d+)",
                      lambda m: ("bind 127.0.0.1:" if m.group(1) == "bind :" else m.group(1))
-                     + str(pod.port(int(m.group(2)))), pod.cfg)
+                     + str(pod.port(int(m.group(2)))), pod.cfg).replace(pod.sock_dir, pod.run_dir)
         front = pod.port(router["ports"][0]["containerPort"])
         health = pod.port(router["readinessProbe"]["httpGet"]["port"])
         version = subprocess.run([a.haproxy, "-v"], capture_output=True, text=True).stdout.splitlines()[0]

@@ -143,6 +143,10 @@ pub struct Metrics {
     pub gpu_engine_processes_seen: AtomicCounter,
     /// Lock connection up (set from [`Status`] at render time).
     lock_connected: Gauge,
+    /// Router pushes (HAProxy runtime API, `--router-socket`) sent.
+    pub router_pushes: AtomicCounter,
+    /// Router pushes that failed (socket unreachable, timeout, error answer).
+    pub router_push_failures: AtomicCounter,
 }
 
 /// Register `metric`; `help` as documented (`prometheus-client` adds the final full stop).
@@ -192,6 +196,8 @@ impl Metrics {
             gpu_reap_timeouts: AtomicCounter::default(),
             gpu_engine_processes_seen: AtomicCounter::default(),
             lock_connected: Gauge::default(),
+            router_pushes: AtomicCounter::default(),
+            router_push_failures: AtomicCounter::default(),
         };
         // Every phase has its series from the start (0 until it happens).
         for p in Phase::ALL {
@@ -299,6 +305,18 @@ impl Metrics {
             "supervisor_lock_connected",
             "Lock connection up.",
             m.lock_connected.clone(),
+        );
+        register(
+            &mut registry,
+            counter_name("supervisor_router_pushes_total"),
+            "State pushes to the router's runtime API (--router-socket).",
+            m.router_pushes.0.clone(),
+        );
+        register(
+            &mut registry,
+            counter_name("supervisor_router_push_failures_total"),
+            "Router pushes that failed (unreachable, timed out, or refused).",
+            m.router_push_failures.0.clone(),
         );
         Metrics { registry, ..m }
     }

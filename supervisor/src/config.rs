@@ -259,6 +259,30 @@ pub struct RunArgs {
     #[arg(long, env = "SUPERVISOR_CRASH_LOOP_LIMIT", default_value_t = 5)]
     pub crash_loop_limit: u32,
 
+    /// The pod router's runtime API socket (HAProxy `stats socket ... level admin`). With it
+    /// the supervisor puts its engine in rotation the moment it is Active, takes it out before
+    /// fencing it, and offers a shadow that can take over as a backup (see README.md, "Router").
+    #[arg(long, env = "SUPERVISOR_ROUTER_SOCKET", requires = "router_server")]
+    pub router_socket: Option<PathBuf>,
+
+    /// This engine's server in the router, `BACKEND/SERVER` (e.g. `engines/engine-0`).
+    #[arg(long, env = "SUPERVISOR_ROUTER_SERVER", value_parser = crate::router::ServerName::parse, requires = "router_socket")]
+    pub router_server: Option<crate::router::ServerName>,
+
+    /// Its backup twin, in rotation while this engine is a shadow that can take over. Default:
+    /// `SERVER-standby` in the same backend.
+    #[arg(long, env = "SUPERVISOR_ROUTER_STANDBY_SERVER", value_parser = crate::router::ServerName::parse, requires = "router_socket")]
+    pub router_standby_server: Option<crate::router::ServerName>,
+
+    /// Bound of one router push; the push that takes an Active engine out of rotation before
+    /// fencing is waited for at most this long.
+    #[arg(long, env = "SUPERVISOR_ROUTER_TIMEOUT", value_parser = dur, default_value = "200ms")]
+    pub router_timeout: Duration,
+
+    /// Re-send the current router state this often (a restarted router converges); 0: never.
+    #[arg(long, env = "SUPERVISOR_ROUTER_RESYNC", value_parser = dur, default_value = "1s")]
+    pub router_resync: Duration,
+
     /// Log format.
     #[arg(
         long,
@@ -295,6 +319,22 @@ impl RunArgs {
             reset_after: self.restart_reset,
             crash_loop_limit: self.crash_loop_limit,
         }
+    }
+
+    /// The router push configuration (None without `--router-socket`).
+    pub fn router_config(&self) -> Option<crate::driver::RouterConfig> {
+        let socket = self.router_socket.clone()?;
+        let serving = self.router_server.clone()?;
+        let standby = self
+            .router_standby_server
+            .clone()
+            .unwrap_or_else(|| serving.standby_twin());
+        Some(crate::driver::RouterConfig {
+            socket,
+            servers: crate::router::Servers { serving, standby },
+            timeout: self.router_timeout,
+            resync: self.router_resync,
+        })
     }
 
     /// The `gms_client::checks` configuration for these flags.

@@ -22,3 +22,4 @@ pub mod logging;
 pub mod machine;
 pub mod process;
 pub mod restart;
+pub mod router;

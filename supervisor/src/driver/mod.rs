@@ -21,8 +21,12 @@ use crate::machine::{Action, DeadReason, Event, Machine, MachineConfig, Role, St
 use crate::process::{self, EngineSpec};
 
 mod fence;
+mod router;
 mod sources;
 mod telemetry;
+
+pub use router::RouterConfig;
+use router::RouterLink;
 
 use crate::restart::{Decision, RestartPolicy};
 use fence::after_reap_check;
@@ -195,6 +199,15 @@ pub async fn run_with_checks(
         "supervisor starting"
     );
 
+    // The pod router (HAProxy runtime API): out of rotation until a phase says otherwise.
+    let router = args.router_config().map(|c| {
+        tracing::info!(socket = %c.socket.display(), serving = %c.servers.serving, standby = %c.servers.standby, "router push on");
+        RouterLink::spawn(c, probe_state.clone())
+    });
+    if let Some(r) = &router {
+        r.set(crate::router::Target::Out);
+    }
+
     let mut policy = RestartPolicy::new(restart);
     let mut inc = Incarnation {
         n: 0,
@@ -210,6 +223,7 @@ pub async fn run_with_checks(
             &probe_state,
             &mut signals,
             &policy,
+            router.as_ref(),
         )
         .await?;
         let ran = inc.started.elapsed();
@@ -223,6 +237,10 @@ pub async fn run_with_checks(
                     reason = %end.reason,
                     "not restarting the engine"
                 );
+                if let Some(r) = &router {
+                    // Leave the router with this engine out of rotation.
+                    r.set_and_wait(crate::router::Target::Out, args.router_timeout).await;
+                }
                 if end.spawned {
                     linger_and_stop(&args, probe_stop_tx, probe_task).await;
                 } else {
@@ -251,6 +269,9 @@ pub async fn run_with_checks(
                     _ = signals.int.recv() => { tracing::info!("SIGINT received during the restart backoff"); true }
                 };
                 if stopped {
+                    if let Some(r) = &router {
+                        r.set_and_wait(crate::router::Target::Out, args.router_timeout).await;
+                    }
                     probe_state.write().gave_up = true;
                     stop_probes(probe_stop_tx, probe_task).await;
                     tracing::info!(exit_code = 0, "supervisor exiting");
@@ -311,6 +332,7 @@ async fn run_incarnation(
     probe_state: &ProbeState,
     signals: &mut Signals,
     policy: &RestartPolicy,
+    router: Option<&RouterLink>,
 ) -> Result<IncarnationEnd, RunError> {
     // 1. The lock connection first, so that the engine can inherit it, with the anchor
     //    attached (lockd then holds the lease until every holder of the anchor's peer is gone).
@@ -520,6 +542,18 @@ async fn run_incarnation(
                     }
                 }
                 _ => {}
+            }
+            if let Some(r) = router {
+                let target = crate::router::Target::for_phase(after);
+                if before == Phase::Active {
+                    // Out of rotation BEFORE it is fenced (bounded: a router that does not
+                    // answer must not hold up the failover; its checks remain the backstop).
+                    if !r.set_and_wait(target, args.router_timeout).await {
+                        tracing::warn!("router did not confirm taking the engine out of rotation; fencing anyway");
+                    }
+                } else {
+                    r.set(target);
+                }
             }
             tracing::info!(
                 engine_id = args.engine_id,
