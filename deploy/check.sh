@@ -129,6 +129,25 @@ fi
 cargo build --quiet -p lockd -p supervisor -p fake-engine -p gms-client --bins
 "$PY" deploy/pod_e2e.py --bin-dir "${CARGO_TARGET_DIR:-target}/debug" --manifest deploy/rendered/vllm.yaml
 
+echo "== deploy: pod drill through the router (CI size): no request may fail"
+"$PY" deploy/pod_drill.py --bin-dir "${CARGO_TARGET_DIR:-target}/debug" --manifest deploy/rendered/vllm.yaml \
+  --rounds 24 --clients 8 --order random 2>&1 | grep -v -E '^(20[0-9]{2}-|\[WARNING\]|Server |Backup Server )'
+# The drill must catch a broken router setup: without L7 retries, and without the supervisors' push.
+for plant in no-retry no-push; do
+  if out="$("$PY" deploy/pod_drill.py --bin-dir "${CARGO_TARGET_DIR:-target}/debug" --manifest deploy/rendered/vllm.yaml \
+        --rounds 4 --kinds engine-kill,supervisor-kill --plant "$plant" 2>&1)"; then
+    echo "FAIL: the pod drill passed with a planted router bug ($plant)" >&2
+    echo "$out" | tail -20 >&2
+    exit 1
+  fi
+  if ! echo "$out" | grep -q -E '^FAIL: [1-9][0-9]* failed requests'; then
+    echo "FAIL: the pod drill with a planted router bug ($plant) failed, but not for failed requests:" >&2
+    echo "$out" | tail -20 >&2
+    exit 1
+  fi
+  echo "ok: planted router bug caught ($plant): $(echo "$out" | grep -m1 -E '^pod drill:')"
+done
+
 echo "== deploy: derived, not typed: other timeouts, periods and TP sizes"
 render "$CHART/values-vllm.yaml" --set timeouts.modelLoadTimeout=95m --set probes.startup.periodSeconds=2 \
   --set timeouts.supervisorStartTimeout=45s \

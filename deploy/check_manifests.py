@@ -367,6 +367,10 @@ class Checker:
         rp = router.get("readinessProbe", {})
         if rp.get("periodSeconds") != 1:
             self.err("router readinessProbe periodSeconds must be 1 (ready within a second of Active)")
+        if not 2 <= rp.get("failureThreshold", 3) <= 3:
+            self.err("router readinessProbe failureThreshold must be 2..3: 1 lets a probe that lands in a "
+                     "failover's few-millisecond /healthz 503 take the pod NotReady; more keeps a pod with "
+                     "no engine Ready for too long")
         if not cm:
             return
         cfg = cm["data"]["haproxy.cfg"]

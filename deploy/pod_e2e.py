@@ -119,6 +119,7 @@ class Pod:
         os.makedirs(self.run_dir)
         self.env = dict(os.environ, PATH=f"{os.path.abspath(bin_dir)}:{os.environ['PATH']}")
         self.ports: dict[int, int] = {}
+        self.engine_argv: dict[str, tuple[list[str], dict]] = {}
 
     def port(self, p: int) -> int:
         return self.ports.setdefault(p, free_port())
@@ -136,7 +137,7 @@ class Pod:
         raise KeyError(name)
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        p = subprocess.Popen(argv, stdout=open(os.path.join(self.tmp, f"{name}.log"), "w"),
+        p = subprocess.Popen(argv, stdout=open(os.path.join(self.tmp, f"{name}.log"), "a"),
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True, env=env or self.env)
         PROCS.append(p)
@@ -150,16 +151,38 @@ class Pod:
         except subprocess.TimeoutExpired:
             return False
 
-    def start_sidecar(self, name: str) -> None:
+    def start_sidecar(self, name: str) -> subprocess.Popen:
         c = self.container(name)
         assert c.get("restartPolicy") == "Always", f"{name} is not a native sidecar"
-        self.spawn(name, [self.local(a) for a in c["command"]])
+        p = self.spawn(name, [self.local(a) for a in c["command"]])
         sp = c["startupProbe"]
         limit = sp["periodSeconds"] * sp["failureThreshold"]
         wait(f"{name} startupProbe (rendered command)", min(limit, 30), lambda: self.exec_probe(c))
         print(f"ok: sidecar {name} started with its rendered command and passed its rendered startupProbe")
+        return p
 
-    def start_engine(self, name: str):
+    def router_config(self, haproxy: str, edit=None) -> tuple[str, bool, str]:
+        """Write the rendered HAProxy config with this pod's ports and paths (`edit`: a function
+        applied to the text, for planted misconfigurations); check it with `haproxy -c`.
+        Returns (path, whether `init-state down` is supported, version line)."""
+        cfg = re.sub(r"(bind :|127\.0\.0\.1:|check port )(\d+)",
+                     lambda m: ("bind 127.0.0.1:" if m.group(1) == "bind :" else m.group(1))
+                     + str(self.port(int(m.group(2)))), self.cfg).replace(self.sock_dir, self.run_dir)
+        if edit:
+            cfg = edit(cfg)
+        version = subprocess.run([haproxy, "-v"], capture_output=True, text=True).stdout.splitlines()[0]
+        m = re.search(r"version (\d+)\.(\d+)", version)
+        has_init_state = bool(m) and (int(m.group(1)), int(m.group(2))) >= (3, 1)
+        if not has_init_state:
+            # `init-state down` needs HAProxy >= 3.1 (the chart's router image is 3.2).
+            assert " init-state down" in cfg
+            cfg = cfg.replace(" init-state down", "")
+        path = os.path.join(self.tmp, "haproxy.cfg")
+        open(path, "w").write(cfg)
+        subprocess.run([haproxy, "-c", "-q", "-f", path], check=True)
+        return path, has_init_state, version.split(" - ")[0]
+
+    def start_engine(self, name: str, extra: list[str] | None = None):
         c = self.container(name)
         cmd = c["command"]
         sup = [self.local(a) for a in cmd[:cmd.index("--")]]
@@ -169,10 +192,11 @@ class Pod:
         pidfile = os.path.join(self.tmp, f"{name}.pids")
         PIDFILES.append(pidfile)
         argv = sup + ["--", "fake-engine", "--port", str(eport), "--engine-id", eid,
-                      "--init", "300ms", "--pid-file", pidfile]
+                      "--init", "300ms", "--pid-file", pidfile] + (extra or [])
         env = dict(self.env)
         env.update({e["name"]: self.local(e["value"]) for e in c.get("env", []) if "value" in e})
         p = self.spawn(name, argv, env)
+        self.engine_argv[name] = (argv, env)
         return p, pport, pidfile, sup
 
 
@@ -190,24 +214,13 @@ def main() -> int:
         period = router["readinessProbe"]["periodSeconds"]
 
         # Router config with the same port map as everything else.
-        cfg = re.sub(r"(bind :|127\.0\.0\.1:|check port )(\d+)",
-                     lambda m: ("bind 127.0.0.1:" if m.group(1) == "bind :" else m.group(1))
-                     + str(pod.port(int(m.group(2)))), pod.cfg).replace(pod.sock_dir, pod.run_dir)
+        path, has_init_state, version = pod.router_config(a.haproxy)
         front = pod.port(router["ports"][0]["containerPort"])
         health = pod.port(router["readinessProbe"]["httpGet"]["port"])
-        version = subprocess.run([a.haproxy, "-v"], capture_output=True, text=True).stdout.splitlines()[0]
-        m = re.search(r"version (\d+)\.(\d+)", version)
-        has_init_state = bool(m) and (int(m.group(1)), int(m.group(2))) >= (3, 1)
         if not has_init_state:
-            # `init-state down` needs HAProxy >= 3.1 (the chart's router image is 3.2).
-            assert " init-state down" in cfg
-            cfg = cfg.replace(" init-state down", "")
-            print(f"note: {version.split(' - ')[0]} < 3.1: `init-state down` stripped for this run and the "
+            print(f"note: {version} < 3.1: `init-state down` stripped for this run and the "
                   "first check round awaited instead (the router start-up behaviour is NOT covered)")
-        path = os.path.join(tmp, "haproxy.cfg")
-        open(path, "w").write(cfg)
-        subprocess.run([a.haproxy, "-c", "-q", "-f", path], check=True)
-        print(f"ok: rendered HAProxy config is valid for {version.split(' - ')[0]}")
+        print(f"ok: rendered HAProxy config is valid for {version}")
 
         # kubelet: sidecars in order, each gated by its startup probe; then the containers.
         pod.start_sidecar("lockd")
