@@ -66,8 +66,7 @@ impl Cluster {
     /// Start a supervisor wrapping a fake engine.
     pub fn start(&mut self, o: &SupOpts) -> Sup {
         self.n += 1;
-        let probes = free_addr();
-        let engine = free_addr();
+        let (probes, engine) = o.addrs.unwrap_or_else(|| (free_addr(), free_addr()));
         let pid_file = self
             .dir
             .path()

@@ -20,6 +20,7 @@ pub mod bins;
 pub mod clock;
 pub mod cluster;
 pub mod gmsd;
+pub mod haproxy;
 pub mod http;
 pub mod kubelet;
 pub mod lockd;

@@ -30,6 +30,9 @@ pub struct SupOpts {
     /// tests assert through its exit status; a test opts into re-arming with
     /// [`SupOpts::restart`]).
     pub restart: &'static str,
+    /// Fixed (probes, engine) addresses instead of fresh free ones (e.g. a router configured
+    /// before the supervisors start).
+    pub addrs: Option<(SocketAddr, SocketAddr)>,
 }
 
 impl SupOpts {
@@ -42,7 +45,14 @@ impl SupOpts {
             engine_args: Vec::new(),
             adapter: "vllm",
             restart: "never",
+            addrs: None,
         }
+    }
+
+    /// Use these probe and engine addresses.
+    pub fn addrs(mut self, probes: SocketAddr, engine: SocketAddr) -> SupOpts {
+        self.addrs = Some((probes, engine));
+        self
     }
 
     /// `--restart MODE` (`on-failure` re-arms the engine after fencing).

@@ -188,7 +188,10 @@ mod tests {
             s.commands(Target::Standing, true),
             "set server engines/engine-0-standby state ready; set server engines/engine-0 state maint"
         );
-        assert_eq!(s.commands(Target::Standing, true), s.commands(Target::Standing, false));
+        assert_eq!(
+            s.commands(Target::Standing, true),
+            s.commands(Target::Standing, false)
+        );
         assert_eq!(
             s.commands(Target::Out, false),
             "set server engines/engine-0 state maint; set server engines/engine-0-standby state maint"
@@ -198,7 +201,15 @@ mod tests {
     #[test]
     fn names_are_checked() {
         assert!(ServerName::parse("engines/engine-0").is_ok());
-        for bad in ["engine-0", "/x", "x/", "a/b c", "a/b;c", "a/b\nshutdown", ""] {
+        for bad in [
+            "engine-0",
+            "/x",
+            "x/",
+            "a/b c",
+            "a/b;c",
+            "a/b\nshutdown",
+            "",
+        ] {
             assert!(ServerName::parse(bad).is_err(), "{bad:?}");
         }
         assert_eq!(

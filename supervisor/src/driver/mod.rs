@@ -145,6 +145,20 @@ struct Incarnation {
     started: Instant,
 }
 
+/// What every incarnation shares with the supervisor around it.
+#[derive(Clone, Copy)]
+struct Ctx<'a> {
+    args: &'a RunArgs,
+    /// GPU/GMS checks (None: none asked for).
+    checks: Option<&'a Arc<GpuChecks>>,
+    engine_client: &'a EngineClient,
+    probe_state: &'a ProbeState,
+    /// The restart policy (read-only here: whether a Dead state is the last one).
+    policy: &'a RestartPolicy,
+    /// The router push (None without `--router-socket`).
+    router: Option<&'a RouterLink>,
+}
+
 /// How one incarnation ended.
 #[derive(Debug)]
 struct IncarnationEnd {
@@ -215,17 +229,15 @@ pub async fn run_with_checks(
         started: Instant::now(),
     };
     loop {
-        let end = run_incarnation(
-            &args,
-            inc,
-            checks.as_ref(),
-            &engine_client,
-            &probe_state,
-            &mut signals,
-            &policy,
-            router.as_ref(),
-        )
-        .await?;
+        let ctx = Ctx {
+            args: &args,
+            checks: checks.as_ref(),
+            engine_client: &engine_client,
+            probe_state: &probe_state,
+            policy: &policy,
+            router: router.as_ref(),
+        };
+        let end = run_incarnation(ctx, inc, &mut signals).await?;
         let ran = inc.started.elapsed();
         match policy.decide(&end.reason, ran) {
             Decision::GiveUp { exit_code, why } => {
@@ -239,7 +251,8 @@ pub async fn run_with_checks(
                 );
                 if let Some(r) = &router {
                     // Leave the router with this engine out of rotation.
-                    r.set_and_wait(crate::router::Target::Out, args.router_timeout).await;
+                    r.set_and_wait(crate::router::Target::Out, args.router_timeout)
+                        .await;
                 }
                 if end.spawned {
                     linger_and_stop(&args, probe_stop_tx, probe_task).await;
@@ -270,7 +283,8 @@ pub async fn run_with_checks(
                 };
                 if stopped {
                     if let Some(r) = &router {
-                        r.set_and_wait(crate::router::Target::Out, args.router_timeout).await;
+                        r.set_and_wait(crate::router::Target::Out, args.router_timeout)
+                            .await;
                     }
                     probe_state.write().gave_up = true;
                     stop_probes(probe_stop_tx, probe_task).await;
@@ -325,15 +339,18 @@ fn rearm(args: &RunArgs, inc: Incarnation, restarts: u32, state: &ProbeState) {
 /// One incarnation: a fresh lock connection and anchor, the engine spawned, the machine driven
 /// to Dead, then fencing: kill and reap the whole tree, THEN close the lock connection.
 async fn run_incarnation(
-    args: &RunArgs,
+    ctx: Ctx<'_>,
     inc: Incarnation,
-    checks: Option<&Arc<GpuChecks>>,
-    engine_client: &EngineClient,
-    probe_state: &ProbeState,
     signals: &mut Signals,
-    policy: &RestartPolicy,
-    router: Option<&RouterLink>,
 ) -> Result<IncarnationEnd, RunError> {
+    let Ctx {
+        args,
+        checks,
+        engine_client,
+        probe_state,
+        policy,
+        router,
+    } = ctx;
     // 1. The lock connection first, so that the engine can inherit it, with the anchor
     //    attached (lockd then holds the lease until every holder of the anchor's peer is gone).
     let anchor = anchor_for(args);

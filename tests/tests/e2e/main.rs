@@ -40,6 +40,7 @@ mod lockd_restart;
 mod pid_namespace;
 mod rearm;
 mod revoke;
+mod router_push;
 mod sglang_adapter;
 mod spawned_workers_anchor;
 mod startup_timeout;
