@@ -4,8 +4,9 @@
 //! Names, types, labels and semantics follow Dynamo's own exporter:
 //! ai-dynamo/dynamo `lib/gpu_memory_service/failover_lock/failover_metrics.py`
 //! (class `FailoverMetrics`; earlier `lib/gpu_memory_service/failover_metrics.py`), driven
-//! from its shadow loop (`record_switch_attempt()` right after a *contended* lock acquire,
-//! next to `set_state("waking")`). All series are prefixed `dynamo_component_engine_failover`:
+//! from its shadow loop (`set_state("waking")` after the lock acquire, and
+//! `record_switch_attempt()` only `if lock.was_contended`: "a bootup is not a switch"). All
+//! series are prefixed `dynamo_component_engine_failover`:
 //!
 //! | series | type | labels | meaning |
 //! |---|---|---|---|
@@ -22,13 +23,13 @@
 //! * labels: the registry's constant `engine_id` and `role` (Dynamo: `engine_id`, `model`,
 //!   `dynamo_component`, which an empty value makes absent in PromQL anyway; pod identity comes
 //!   from scrape relabelling in both);
-//! * **switch attempt** = a lock grant that starts a wake: every Standby -> Waking. Dynamo
-//!   counts a lock acquire that had to wait (contended), so that the initial bootup is not a
-//!   switch. Here the bootup never passes through Waking (a primary that gets the lock goes
-//!   Init -> Active, and a primary that finds it busy sleeps and waits like a shadow), so
-//!   Standby -> Waking is a takeover. The one case Dynamo would not count: a shadow that
-//!   reaches Standby while no engine holds the lock (no engine was serving, e.g. the primary
-//!   still loading or dead): its wake is what brings serving back, so it is counted;
+//! * **switch attempt** = a lock grant that starts a wake (Standby -> Waking) after the acquire
+//!   had to wait in lockd's queue (lockd answered `queued`: another engine held the lock),
+//!   Dynamo's "contended" acquire. A grant that came at once is a bootup, not a switch: a
+//!   primary that finds the lock free goes Init -> Active, but a shadow can also reach Standby
+//!   first and find it free (seen in the rendered pod's run, `deploy/pod_e2e.py`), and neither is
+//!   counted, as in Dynamo. The driver reports the queueing through
+//!   [`DynamoFailover::lock_queued`];
 //! * **switch success** = reaching Active from a counted attempt (Waking -> Active). A wake that
 //!   fails (Waking -> Dead) leaves `attempts - success` as the failed switches, as in Dynamo;
 //! * the two switch counters survive restarts of the supervisor (a file on the shared volume,
@@ -96,6 +97,8 @@ struct Current {
     at_unix_us: i64,
     /// A counted switch attempt has not yet reached Active (nor failed).
     switching: bool,
+    /// The pending lock acquire had to wait in lockd's queue (a contended acquire).
+    queued: bool,
 }
 
 /// Called with the new counts after every change of the switch counters (the driver persists
@@ -147,6 +150,7 @@ impl DynamoFailover {
                 phase,
                 at_unix_us,
                 switching: false,
+                queued: false,
             }),
             sink: OnceLock::new(),
         };
@@ -158,35 +162,36 @@ impl DynamoFailover {
                 .set(i64::from(p == phase));
         }
         d.state_entered.set(secs(at_unix_us));
-        let name = |s: &str| format!("{PREFIX}_{s}");
+        // The exposed names, spelled out in full (deploy/check_dashboard.py looks for them in
+        // the sources); `prometheus-client` appends `_total` to counters itself.
+        let counter = |exposed: &'static str| exposed.strip_suffix("_total").unwrap_or(exposed);
         registry.register(
-            name("state"),
+            "dynamo_component_engine_failover_state",
             "Current failover state, 1-hot over the state label (init|standby|waking|active|dead)",
             d.state.clone(),
         );
         registry.register(
-            name("state_entered_timestamp_seconds"),
+            "dynamo_component_engine_failover_state_entered_timestamp_seconds",
             "Unix time the engine entered its current failover state",
             d.state_entered.clone(),
         );
         registry.register(
-            name("last_state_duration_seconds"),
+            "dynamo_component_engine_failover_last_state_duration_seconds",
             "Duration of the most recent completed occupancy of each state ({state=waking} is the switch time)",
             d.last_state_duration.clone(),
         );
-        // `prometheus-client` appends `_total` to counters itself.
         registry.register(
-            name("transitions"),
+            counter("dynamo_component_engine_failover_transitions_total"),
             "Failover state transitions, by from_state/to_state",
             d.transitions.clone(),
         );
         registry.register(
-            name("switch_attempts"),
-            "Failover promotions attempted (lock grants that start a wake: Standby -> Waking); persisted",
+            counter("dynamo_component_engine_failover_switch_attempts_total"),
+            "Failover promotions attempted (contended lock grants that start a wake: Standby -> Waking); persisted",
             d.switch_attempts.clone(),
         );
         registry.register(
-            name("switch_success"),
+            counter("dynamo_component_engine_failover_switch_success_total"),
             "Failover promotions that completed and began serving (Waking -> Active); persisted",
             d.switch_success.clone(),
         );
@@ -219,7 +224,7 @@ impl DynamoFailover {
                     })
                     .set(0);
                 match (from, to) {
-                    (Phase::Standby, Phase::Waking) => {
+                    (Phase::Standby, Phase::Waking) if cur.queued => {
                         self.switch_attempts.inc();
                         cur.switching = true;
                         changed = true;
@@ -230,6 +235,13 @@ impl DynamoFailover {
                         changed = true;
                     }
                     _ => cur.switching = false,
+                }
+                // A grant consumes the queueing; a new incarnation starts without one.
+                if matches!(
+                    to,
+                    Phase::Waking | Phase::Active | Phase::Init | Phase::Dead
+                ) {
+                    cur.queued = false;
                 }
             }
             self.state
@@ -245,6 +257,15 @@ impl DynamoFailover {
                 sink(self.switch_counts());
             }
         }
+    }
+
+    /// The lock acquire now pending had to wait in lockd's queue (the lock client's `Queued`
+    /// event): the grant that ends it, if it starts a wake, is a switch attempt.
+    pub fn lock_queued(&self) {
+        self.current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .queued = true;
     }
 
     /// The switch counters now.
@@ -375,7 +396,9 @@ mod tests {
         assert_eq!(switches(&p), (0.0, 0.0));
         assert_eq!(entered_at(&p), 1_764_000_005.0);
 
-        // Granted 10 s later: Standby -> Waking is a switch attempt.
+        // Queued behind the Active engine, granted 10 s later: Standby -> Waking is a switch
+        // attempt.
+        m.dynamo.lock_queued();
         m.entered(Phase::Waking, ms(15_000));
         let p = page(&m);
         assert_eq!(one_hot(&p), [("waking", 1.0)]);
@@ -407,6 +430,7 @@ mod tests {
         assert_eq!(switches(&p), (1.0, 1.0));
 
         // A grant whose wake fails: an attempt without a success.
+        m.dynamo.lock_queued();
         m.entered(Phase::Waking, ms(80_000));
         m.entered(Phase::Dead, ms(81_000));
         let p = page(&m);
@@ -421,6 +445,9 @@ mod tests {
             (Phase::Waking, 90_000),
             (Phase::Active, 90_010),
         ] {
+            if ph == Phase::Waking {
+                m.dynamo.lock_queued();
+            }
             m.entered(ph, ms(t));
         }
         let p = page(&m);
@@ -442,18 +469,43 @@ mod tests {
     }
 
     #[test]
-    fn the_bootup_of_a_primary_is_not_a_switch() {
-        // Init -> Active (the lock was free) and a failure of an Active engine: no switch.
+    fn a_bootup_is_not_a_switch() {
+        // A primary: Init -> Active (the lock was free), then its engine dies: no switch.
         let m = Metrics::in_phase(1, "shadow", Phase::Init, T0);
         m.entered(Phase::Active, T0 + 1);
         m.entered(Phase::Dead, T0 + 2);
         m.entered(Phase::Init, T0 + 3);
-        // Waking -> Active only counts after a counted attempt.
-        m.entered(Phase::Waking, T0 + 4);
-        m.entered(Phase::Active, T0 + 5);
+        // A shadow that finds the lock free at Standby (granted at once, never queued): its
+        // wake is a bootup too.
+        m.entered(Phase::Standby, T0 + 4);
+        m.entered(Phase::Waking, T0 + 5);
+        m.entered(Phase::Active, T0 + 6);
         let p = page(&m);
         assert_eq!(switches(&p), (0.0, 0.0));
         assert_eq!(tr(&p, "init", "active"), Some(1.0));
+        assert_eq!(tr(&p, "standby", "waking"), Some(1.0));
+        assert_eq!(last(&p, "waking"), Some(1e-6));
+        // A queueing noted in one incarnation does not count in the next one.
+        m.dynamo.lock_queued();
+        m.entered(Phase::Dead, T0 + 7);
+        m.entered(Phase::Init, T0 + 8);
+        m.entered(Phase::Standby, T0 + 9);
+        m.entered(Phase::Waking, T0 + 10);
+        m.entered(Phase::Active, T0 + 11);
+        assert_eq!(switches(&page(&m)), (0.0, 0.0));
+        // Queued in Standby: counted; the next grant needs a queueing of its own.
+        m.entered(Phase::Dead, T0 + 12);
+        m.entered(Phase::Init, T0 + 13);
+        m.entered(Phase::Standby, T0 + 14);
+        m.dynamo.lock_queued();
+        m.entered(Phase::Waking, T0 + 15);
+        m.entered(Phase::Active, T0 + 16);
+        m.entered(Phase::Dead, T0 + 17);
+        m.entered(Phase::Init, T0 + 18);
+        m.entered(Phase::Standby, T0 + 19);
+        m.entered(Phase::Waking, T0 + 20);
+        m.entered(Phase::Active, T0 + 21);
+        assert_eq!(switches(&page(&m)), (1.0, 1.0));
     }
 
     #[test]
@@ -481,6 +533,7 @@ mod tests {
             .on_switch(Box::new(move |c| s.lock().unwrap().push(c))));
         assert!(!m.dynamo.on_switch(Box::new(|_| {})), "set once");
         assert_eq!(switches(&page(&m)), (7.0, 5.0));
+        m.dynamo.lock_queued();
         m.entered(Phase::Waking, T0 + 1);
         m.entered(Phase::Active, T0 + 2);
         m.entered(Phase::Dead, T0 + 3);
@@ -532,6 +585,7 @@ mod tests {
     fn probe_state_enter_drives_the_series_with_the_state_doc_times() {
         let st = ProbeState::new(Status::new(1, "shadow"));
         st.enter(Phase::Standby, None);
+        st.metrics().dynamo.lock_queued();
         let w = st.enter(Phase::Waking, None);
         let a = st.enter(Phase::Active, None);
         let status = st.read().clone();

@@ -261,3 +261,36 @@ fn switch_counters_survive_a_supervisor_restart_and_state_starts_afresh() {
         assert_eq!(st.code(), Some(0), "{st:?}");
     }
 }
+
+/// A shadow that finds the lock free when it reaches Standby (no engine serving yet, lockd
+/// grants at once) wakes and serves: a bootup, not a switch, as in Dynamo (which counts
+/// contended acquires only). The transition series still show the wake.
+#[test]
+fn an_uncontended_grant_is_not_a_switch() {
+    let _g = harness::serial();
+    let mut c = Cluster::new(Duration::from_secs(2));
+    let f = c.dir.path().join("engine-1.failover");
+    let mut s =
+        c.start(&SupOpts::new(1, "shadow").sup(&["--failover-counters", f.to_str().unwrap()]));
+    assert!(
+        s.wait_phase(Phase::Active, T),
+        "lone shadow not Active{}",
+        c.dump_logs()
+    );
+    let m = wait_metrics(&s, "one-hot active", |m| one_hot(m) == [("active", 1.0)]);
+    assert_eq!(switches(&m), (0.0, 0.0), "{}", m.text);
+    assert_eq!(
+        all_transitions(&m),
+        [
+            ("init".into(), "standby".into(), 1.0),
+            ("standby".into(), "waking".into(), 1.0),
+            ("waking".into(), "active".into(), 1.0),
+        ]
+    );
+    assert!(m
+        .get(&name("last_state_duration_seconds"), &[("state", "waking")])
+        .is_some());
+    assert!(!f.exists(), "nothing to persist");
+    assert!(s.proc.signal(Signal::SIGTERM));
+    assert_eq!(s.proc.wait_exit(T).and_then(|st| st.code()), Some(0));
+}
