@@ -5,9 +5,10 @@
 //! so a probe costs one read lock and stays fast while the engine (or the machine) is loaded.
 //!
 //! * [`verdict`] holds the pure decision functions (phase + health + clock -> 200/503),
-//! * [`metrics`] the Prometheus text rendering,
+//! * [`metrics`] the Prometheus text rendering ([`dynamo`]: Dynamo's failover series in it),
 //! * [`server`] the hyper HTTP/1 server.
 
+pub mod dynamo;
 pub mod metrics;
 pub mod server;
 pub mod state;
@@ -203,7 +204,16 @@ pub struct ProbeState {
 impl ProbeState {
     /// New shared state for one engine.
     pub fn new(status: Status) -> ProbeState {
-        let metrics = Arc::new(Metrics::new(status.engine_id, &status.role));
+        let since = status
+            .transitions
+            .last()
+            .map_or_else(unix_us_now, |t| t.at_unix_us);
+        let metrics = Arc::new(Metrics::in_phase(
+            status.engine_id,
+            &status.role,
+            status.phase,
+            since,
+        ));
         ProbeState {
             status: Arc::new(RwLock::new(status)),
             metrics,
@@ -234,7 +244,8 @@ impl ProbeState {
         });
     }
 
-    /// Enter `phase` now: records the transition (wall clock), resets `since`, counts it.
+    /// Enter `phase` now: records the transition (wall clock), resets `since`, counts it
+    /// (the project's metrics and Dynamo's failover series, with the same wall-clock time).
     /// Returns the wall-clock timestamp recorded.
     pub fn enter(&self, phase: Phase, waking_deadline: Option<Instant>) -> i64 {
         let at = unix_us_now();
@@ -248,7 +259,7 @@ impl ProbeState {
                 at_unix_us: at,
             });
         }
-        self.metrics.transition(phase);
+        self.metrics.entered(phase, at);
         at
     }
 }

@@ -4,6 +4,10 @@
 //! The exposed series names are the ones the dashboards query (`deploy/dashboards`); they are
 //! spelled out in full here (counters with their `_total`, which `prometheus-client` appends
 //! itself, so it is stripped before registering).
+//!
+//! The same registry also carries NVIDIA Dynamo's failover series
+//! (`dynamo_component_engine_failover_*`, [`crate::dynamo`]), so that dashboards written for
+//! Dynamo's shadow-engine failover work unchanged.
 
 use std::borrow::Cow;
 use std::ops::Deref;
@@ -18,7 +22,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram;
 use prometheus_client::registry::{Metric, Registry};
 
-use crate::{Phase, Status};
+use crate::dynamo::DynamoFailover;
+use crate::{unix_us_now, Phase, Status};
 
 /// `Content-Type` of [`Metrics::render`]'s output (OpenMetrics text, as `prometheus-client`
 /// encodes it).
@@ -147,6 +152,9 @@ pub struct Metrics {
     pub router_pushes: AtomicCounter,
     /// Router pushes that failed (socket unreachable, timeout, error answer).
     pub router_push_failures: AtomicCounter,
+    /// Dynamo's failover series (`dynamo_component_engine_failover_*`), driven by
+    /// [`Metrics::entered`].
+    pub dynamo: DynamoFailover,
 }
 
 /// Register `metric`; `help` as documented (`prometheus-client` adds the final full stop).
@@ -160,8 +168,14 @@ fn counter_name(exposed: &'static str) -> &'static str {
 }
 
 impl Metrics {
-    /// New registry for one engine.
+    /// New registry for one engine, in Init since now.
     pub fn new(engine_id: u32, role: &str) -> Metrics {
+        Metrics::in_phase(engine_id, role, Phase::Init, unix_us_now())
+    }
+
+    /// New registry for one engine that has been in `phase` since `at_unix_us` (the start of
+    /// Dynamo's state series).
+    pub fn in_phase(engine_id: u32, role: &str, phase: Phase, at_unix_us: i64) -> Metrics {
         let role: String = role
             .chars()
             .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
@@ -176,6 +190,7 @@ impl Metrics {
             ]
             .into_iter(),
         );
+        let dynamo = DynamoFailover::new(&mut registry, phase, at_unix_us);
         let m = Metrics {
             registry: Registry::default(),
             render_lock: Mutex::new(()),
@@ -198,6 +213,7 @@ impl Metrics {
             lock_connected: Gauge::default(),
             router_pushes: AtomicCounter::default(),
             router_push_failures: AtomicCounter::default(),
+            dynamo,
         };
         // Every phase has its series from the start (0 until it happens).
         for p in Phase::ALL {
@@ -321,7 +337,14 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
-    /// Count a transition into `to`.
+    /// Record entering `to` at `at_unix_us` (wall clock, as in `/state.transitions`): the
+    /// project's transition counter and Dynamo's series.
+    pub fn entered(&self, to: Phase, at_unix_us: i64) {
+        self.transition(to);
+        self.dynamo.entered(to, at_unix_us);
+    }
+
+    /// Count a transition into `to` (the project's counter only).
     pub fn transition(&self, to: Phase) {
         self.transitions
             .get_or_create(&ToLabels { to: to.as_str() })

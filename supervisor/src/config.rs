@@ -188,6 +188,14 @@ pub struct RunArgs {
     #[arg(long, env = "SUPERVISOR_RESTART_COUNTER")]
     pub restart_counter: Option<PathBuf>,
 
+    /// File keeping Dynamo's failover switch counters across restarts of the supervisor (on
+    /// the shared volume; JSON `{"attempts": N, "success": N}`, Dynamo's own format, written
+    /// with temp + rename): `dynamo_component_engine_failover_switch_{attempts,success}_total`
+    /// carry on from it. Missing or unreadable: they start from 0 (with a warning when the
+    /// file is there but corrupt). Without the flag they count this process only.
+    #[arg(long, env = "SUPERVISOR_FAILOVER_COUNTERS")]
+    pub failover_counters: Option<PathBuf>,
+
     /// Run the engine as PID 1 of a new PID namespace (needs CAP_SYS_ADMIN; see README.md):
     /// when the engine dies the kernel kills every process it started, detached or not.
     #[arg(long, env = "SUPERVISOR_PID_NAMESPACE")]

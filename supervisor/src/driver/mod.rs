@@ -31,7 +31,7 @@ use router::RouterLink;
 use crate::restart::{Decision, RestartPolicy};
 use fence::after_reap_check;
 use sources::{anchor_for, connect_lock, lock_event, pin_tree, spawn_health, PIN_INTERVAL};
-use telemetry::{bump_restart_counter, sync_check_metrics};
+use telemetry::{bump_restart_counter, persist_failover_counters, sync_check_metrics};
 
 /// Errors that stop `supervisor run` before the state machine is running.
 #[derive(Debug, thiserror::Error)]
@@ -188,6 +188,7 @@ pub async fn run_with_checks(
 
     let probe_state = ProbeState::new(Status::new(args.engine_id, args.role.as_str()));
     bump_restart_counter(&args, &probe_state);
+    persist_failover_counters(&args, &probe_state);
     let listener = tokio::net::TcpListener::bind(&args.probes)
         .await
         .map_err(|source| RunError::Probes {

@@ -138,6 +138,9 @@ pub(super) fn lock_event(ev: LockEvent, state: &ProbeState) -> Option<Event> {
     match ev {
         LockEvent::Queued { resource, position } => {
             tracing::info!(%resource, position, "queued for the lock");
+            // Another engine holds it: the grant that ends this wait is a switch (Dynamo's
+            // "contended" acquire, probes::dynamo).
+            state.metrics().dynamo.lock_queued();
             None
         }
         LockEvent::Busy { resource, holder } => {

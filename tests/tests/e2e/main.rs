@@ -24,6 +24,7 @@ mod detached_workers_outlive_supervisor;
 mod drill_ci;
 mod drill_common;
 mod drill_compound;
+mod dynamo_metrics;
 mod engine_fails;
 mod engine_sigkill_failover;
 mod gms_happy_path;
