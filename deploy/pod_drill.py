@@ -201,6 +201,7 @@ def main() -> int:
     ap.add_argument("--order", choices=["round-robin", "random"], default="round-robin")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--report", help="write the JSON report here")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs) on failure")
     ap.add_argument("--plant", choices=["no-retry", "no-push"], help="break the router setup on purpose")
     a = ap.parse_args()
     kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
@@ -333,8 +334,14 @@ def main() -> int:
     except (AssertionError, subprocess.CalledProcessError, subprocess.TimeoutExpired, KeyError, ValueError) as e:
         print(f"FAIL: pod drill: {e!r}")
         for f in sorted(os.listdir(tmp)):
-            if f.endswith(".log"):
-                print(f"--- {f}\n" + "".join(open(os.path.join(tmp, f), errors="replace").readlines()[-20:]))
+            if f.endswith(".log") and f != "router.log":
+                lines = [x for x in open(os.path.join(tmp, f), errors="replace").readlines() if x.strip()]
+                print(f"--- {f}\n" + "".join(lines[-25:]))
+        if a.keep:
+            keep = tmp + ".kept"
+            shutil.copytree(tmp, keep, dirs_exist_ok=True,
+                            ignore=lambda d, names: [n for n in names if n.endswith(".sock")])
+            print(f"logs kept in {keep}")
         return 1
     finally:
         if load:
