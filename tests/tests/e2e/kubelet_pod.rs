@@ -604,6 +604,61 @@ fn pod_stays_ready_through_a_failover_and_the_replaced_engines_reinit() {
     );
 }
 
+/// The same failover with the first version's supervisor (`--restart never`: it exits after
+/// fencing, kubelet restarts the container): the model sees the engine container take the pod
+/// NotReady, so the assertion above can fail.
+#[test]
+fn the_same_failover_with_restart_never_takes_the_pod_not_ready() {
+    let _g = harness::serial();
+    let r = load_rendered();
+    let (s0, s1) = (scaled(&r, 0, K), scaled(&r, 1, K));
+    let backoff = CrashLoopBackOff::default().scaled(K);
+    let b = EngineBehaviour {
+        init: Duration::from_millis(1500),
+        wake: Duration::from_millis(100),
+    };
+    let never: [&str; 2] = ["--restart", "never"];
+    let mut pod = PodRun::start(
+        "pod-a-never",
+        K,
+        backoff,
+        [
+            recipe(&s0, "primary", &b, &never, &[]),
+            recipe(&s1, "shadow", &b, &never, &[]),
+        ],
+    );
+    let up = pod.run_until(Duration::from_secs(30), |p| {
+        p.pod_ready()
+            && p.engine(0).state() == Some(Phase::Active)
+            && p.engine(1).state() == Some(Phase::Standby)
+    });
+    assert!(up, "pod never Ready\n{}", pod.logs());
+    pod.run_for(r.readiness.scaled(K).period * 4);
+    let ready_at = pod.now();
+    pod.engine(0)
+        .signal_engine(nix::sys::signal::Signal::SIGKILL);
+    let back = pod.run_until(Duration::from_secs(30), |p| {
+        p.starts.len() == 3
+            && p.engine(0).state() == Some(Phase::Standby)
+            && p.engine(1).state() == Some(Phase::Active)
+    });
+    assert!(back, "no container restart to Standby\n{}", pod.logs());
+    let f = pod.finish();
+    assert_eq!(f.pod.restarts(ENGINE[0]), 1, "{}", f.logs);
+    let engines_only = without_router(&f, K, backoff);
+    let nr = engines_only.not_ready_time(ready_at, f.end);
+    eprintln!(
+        "(a, --restart never) the same failover restarts engine-0's container: engines/sidecars \
+         take the pod NotReady {} at x{} (a startup period after the restarted supervisor is up)",
+        secs(nr),
+        1.0 / K
+    );
+    assert!(
+        nr > Duration::ZERO,
+        "a container restart must show as NotReady"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // (b) + (d) a container kill; the first version's design replayed over the same run
 // ---------------------------------------------------------------------------------------------
