@@ -1054,3 +1054,89 @@ fn container_restart_outage_old_design_vs_new_on_a_virtual_clock() {
         "a crash loop should hold the pod NotReady most of the time"
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// The router's readinessProbe over a failover gap, unscaled, on a virtual clock
+// ---------------------------------------------------------------------------------------------
+
+/// NotReady time caused by the router's readinessProbe `spec` (ticks at `phase + n x period`)
+/// when `/healthz` is 503 for `gap` from 10 s on (no engine routable between the old engine's
+/// removal and the new one's addition).
+fn router_outage(spec: ProbeSpec, gap: Duration, phase: Duration) -> Duration {
+    let (from, to) = (Duration::from_secs(10), Duration::from_secs(10) + gap);
+    let mut run = ResultRun::new(spec);
+    let mut ready = true;
+    let mut down_at = None;
+    let mut t = phase;
+    while t < to + spec.period * (spec.success_threshold + 2) {
+        match run.observe(!(from <= t && t < to)) {
+            Some(Verdict::Failure) if ready => {
+                ready = false;
+                down_at = Some(t);
+            }
+            Some(Verdict::Success) if !ready => {
+                return t - down_at.expect("went down");
+            }
+            _ => {}
+        }
+        t += spec.period;
+    }
+    Duration::ZERO
+}
+
+#[test]
+fn router_readiness_over_a_failover_gap_on_a_virtual_clock() {
+    let r = load_rendered();
+    let rp = r.readiness;
+    // Every ticker phase in 1 ms steps.
+    let phases: Vec<Duration> = (0..rp.period.as_millis() as u64)
+        .map(Duration::from_millis)
+        .collect();
+    let stats = |spec: ProbeSpec, gap: Duration| {
+        let o: Vec<Duration> = phases
+            .iter()
+            .map(|p| router_outage(spec, gap, *p))
+            .collect();
+        let hit = o.iter().filter(|d| !d.is_zero()).count();
+        (hit as f64 / o.len() as f64, o.into_iter().max().unwrap())
+    };
+    let mut lines = Vec::new();
+    for gap_ms in [20u64, 500, 2000, 3000] {
+        let gap = Duration::from_millis(gap_ms);
+        let (p1, max1) = stats(rp, gap);
+        // The chart's numbers: a failover gap is seen with probability ~ gap / period, and
+        // then costs at least a whole period.
+        let expect = (gap.as_secs_f64() / rp.period.as_secs_f64()).min(1.0);
+        assert!(
+            (p1 - expect).abs() < 0.01,
+            "gap {gap:?}: P(NotReady) {p1} vs {expect}"
+        );
+        if p1 > 0.0 {
+            assert!(max1 >= rp.period, "gap {gap:?}: NotReady {max1:?}");
+        }
+        // A failureThreshold covering the gap keeps the pod Ready through it.
+        let n = (gap.as_secs_f64() / rp.period.as_secs_f64()).ceil() as u32 + 1;
+        let tolerant = ProbeSpec {
+            failure_threshold: n,
+            ..rp
+        };
+        assert_eq!(
+            stats(tolerant, gap).0,
+            0.0,
+            "gap {gap:?}, failureThreshold {n}"
+        );
+        lines.push(format!(
+            "gap {}: NotReady in {:.0}% of failovers, up to {} (failureThreshold {} would ride it out)",
+            secs(gap),
+            100.0 * p1,
+            secs(max1),
+            n
+        ));
+    }
+    eprintln!(
+        "router readinessProbe (period {}, failureThreshold {}) over a failover gap: {}",
+        secs(rp.period),
+        rp.failure_threshold,
+        lines.join("; ")
+    );
+}
