@@ -23,7 +23,16 @@
 //! (c) a crash-looping engine (its supervisor gives up and exits non-zero, every time): kubelet
 //!     restarts it after 0, 10, 20, 40 s (scaled), the container is in back-off, the pod
 //!     NotReady for each back-off;
-//! (d) also on a virtual clock with the unscaled rendered numbers (no process).
+//! (d) also on a virtual clock with the unscaled rendered numbers (no process), with the
+//!     crash loop's NotReady share of an hour under the supervisor's default restart policy.
+//! The failover of (a) with `--restart never` (the first version: the supervisor exits after
+//! fencing, kubelet restarts the container) shows as NotReady: the assertion of (a) can fail.
+//! The router's readinessProbe over a failover gap is computed on a virtual clock with the
+//! chart's numbers (how often and how long a gap takes the pod NotReady, and the
+//! failureThreshold that rides it out).
+//!
+//! The router here is HAProxy's health checks of `/ready` (inter/fall/rise = the readiness
+//! numbers); a router told of Active changes at once (issue 10 item 3) only shortens the gap.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
