@@ -15,6 +15,9 @@
 //!   consecutive equal results ([`ResultRun`]); a startup or liveness failure verdict kills the
 //!   container, and its run starts over.
 //!
+//! [`pod`] models what those verdicts make of the whole pod's readiness (every container,
+//! restarts with CrashLoopBackOff).
+//!
 //! kubelet's random jitter of the first probe is left out: it only delays the first probe, so
 //! leaving it out makes every kill happen at its earliest.
 //!
@@ -30,6 +33,19 @@
 //! ```
 
 use std::time::Duration;
+
+pub mod pod;
+
+/// The three kinds of probe of a container.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeKind {
+    /// startupProbe: liveness and readiness wait for it; a failure verdict kills.
+    Startup,
+    /// livenessProbe: a failure verdict kills.
+    Liveness,
+    /// readinessProbe: the container's Ready condition.
+    Readiness,
+}
 
 /// One probe's settings (`Probe` in the Kubernetes API), with Kubernetes' defaults
 /// ([`ProbeSpec::default`]) for absent fields.
