@@ -21,6 +21,7 @@ use crate::machine::{Action, DeadReason, Event, Machine, MachineConfig, Role, St
 use crate::process::{self, EngineSpec};
 
 mod fence;
+pub mod init_memory;
 mod sources;
 mod telemetry;
 
@@ -194,6 +195,7 @@ pub async fn run_with_checks(
         crash_loop_limit = restart.crash_loop_limit,
         "supervisor starting"
     );
+    init_memory::announce(&args, checks.as_ref());
 
     let mut policy = RestartPolicy::new(restart);
     let mut inc = Incarnation {
@@ -284,6 +286,7 @@ fn rearm(args: &RunArgs, inc: Incarnation, restarts: u32, state: &ProbeState) {
         s.dead_reason = None;
         s.marks.clear();
         s.gave_up = false;
+        s.waiting = None;
         // Refined once the engine is spawned (the machine's own Init deadline).
         s.startup_deadline = Some(inc.started + args.startup_timeout);
     }
@@ -338,6 +341,27 @@ async fn run_incarnation(
     };
     probe_state.write().lock_connected = true;
     probe_state.mark(probes::MarkKind::LockConnected);
+
+    // 1b. `--init-min-free-memory`: the engine is spawned only once the device has the memory
+    //     it needs to initialise (bounded; no lease is held, only the connection).
+    match init_memory::wait_for_init_memory(args, inc.n, checks, probe_state, signals).await {
+        init_memory::Gate::Spawn => {}
+        init_memory::Gate::Stopped => {
+            lock.close().await;
+            probe_state.write().lock_connected = false;
+            return Ok(end_without_engine(
+                probe_state,
+                policy,
+                inc.started,
+                DeadReason::Stopped,
+            ));
+        }
+        init_memory::Gate::TimedOut(reason) => {
+            lock.close().await;
+            probe_state.write().lock_connected = false;
+            return Ok(end_without_engine(probe_state, policy, inc.started, reason));
+        }
+    }
 
     // 2. Spawn the engine with an inheritable dup of the lock connection (on this, the main,
     //    thread: PDEATHSIG is tied to the forking thread).
