@@ -151,7 +151,7 @@ done
 echo "== deploy: derived, not typed: other timeouts, periods and TP sizes"
 render "$CHART/values-vllm.yaml" --set timeouts.modelLoadTimeout=95m --set probes.startup.periodSeconds=2 \
   --set timeouts.supervisorStartTimeout=45s \
-  --set timeouts.wakingTimeout=45s --set engine.tensorParallelSize=4 > "$out/variant1.yaml"
+  --set timeouts.wakingTimeout=45s --set engine.tensorParallelSize=4 --set engine.initMinFreeMemory=60GiB > "$out/variant1.yaml"
 render "$CHART/values-sglang.yaml" --set timeouts.modelLoadTimeout=14400 --set timeouts.supervisorStartTimeout=90 \
   --set probes.liveness.periodSeconds=2 --set probes.liveness.failureThreshold=5 > "$out/variant2.yaml"
 "$PY" deploy/check_manifests.py --supervisor-start 45s "$out/variant1.yaml"

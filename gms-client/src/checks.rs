@@ -531,6 +531,12 @@ impl GpuChecks {
         self.device.as_ref()?.memory().ok().map(|m| m.free)
     }
 
+    /// Free and total device memory now: None without a device, `Err` when the device cannot
+    /// say (the supervisor's `--init-min-free-memory` wait samples this).
+    pub fn device_memory(&self) -> Option<Result<MemInfo, String>> {
+        self.device.as_ref().map(|d| d.memory())
+    }
+
     /// Record the free device memory sampled right before and right after the engine went to
     /// sleep: the difference is what it released, and what [`MinFree::Auto`] waits for before
     /// the next wake. Another engine allocating meanwhile makes it smaller (the wait is then

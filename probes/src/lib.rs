@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 
 pub use metrics::Metrics;
 pub use server::{serve, ProbeError};
-pub use state::{MarkKind, StateDoc};
+pub use state::{MarkKind, StateDoc, WaitReason};
 pub use verdict::{live, ready, startup, ProbeView};
 
 /// The externally visible lifecycle phase of the engine (docs/INTERFACES.md: `/state.state`).
@@ -93,6 +93,21 @@ pub struct Mark {
     pub at_unix_us: i64,
 }
 
+/// A wait before the supervisor goes on (`/state.waiting` and its details).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Waiting {
+    /// What for.
+    pub reason: WaitReason,
+    /// When it began (monotonic, for `waiting_ms`).
+    pub since: Instant,
+    /// Its bound.
+    pub timeout: std::time::Duration,
+    /// Free device memory needed (bytes), once known.
+    pub need_bytes: Option<u64>,
+    /// Free device memory at the last sample (bytes).
+    pub free_bytes: Option<u64>,
+}
+
 /// Everything the probes answer from. Written by the supervisor's driver, read by handlers.
 #[derive(Clone, Debug)]
 pub struct Status {
@@ -125,12 +140,15 @@ pub struct Status {
     pub incarnation: u32,
     /// Restarts of the engine in this supervisor's life.
     pub restarts: u32,
-    /// The supervisor is up (first engine spawned): `/startup` 200 from then on.
+    /// The supervisor is up (first engine spawned, or the bounded `--init-min-free-memory`
+    /// wait before it has begun): `/startup` 200 from then on.
     pub started: bool,
     /// In Init: when the current incarnation's `--startup-timeout` runs out.
     pub startup_deadline: Option<Instant>,
     /// The supervisor gave up (no new incarnation follows): `/live` 503 in Dead.
     pub gave_up: bool,
+    /// A bounded wait in Init before the engine is spawned (`--init-min-free-memory`).
+    pub waiting: Option<Waiting>,
 }
 
 impl Status {
@@ -157,6 +175,7 @@ impl Status {
             started: false,
             startup_deadline: None,
             gave_up: false,
+            waiting: None,
         }
     }
 
@@ -188,6 +207,13 @@ impl Status {
             incarnation: self.incarnation,
             restarts: self.restarts,
             marks: self.marks.iter().map(|m| (m.what, m.at_unix_us)).collect(),
+            waiting: self.waiting.map(|w| w.reason),
+            waiting_need_bytes: self.waiting.and_then(|w| w.need_bytes),
+            waiting_free_bytes: self.waiting.and_then(|w| w.free_bytes),
+            waiting_ms: self
+                .waiting
+                .map(|w| now.saturating_duration_since(w.since).as_millis() as u64),
+            waiting_timeout_ms: self.waiting.map(|w| w.timeout.as_millis() as u64),
         }
     }
 }

@@ -34,6 +34,11 @@ const BUCKETS: [f64; 16] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
 
+/// The outcomes of an `--init-min-free-memory` wait (`supervisor_init_memory_waits_total`):
+/// the memory was free at once, came free while waiting, never came free in time, or the
+/// supervisor was asked to stop.
+pub const INIT_MEMORY_OUTCOMES: [&str; 4] = ["ready", "freed", "timeout", "stopped"];
+
 /// A fixed-bucket histogram of durations (seconds), registered in a [`Metrics`] registry.
 #[derive(Debug)]
 pub struct Histogram {
@@ -107,6 +112,13 @@ struct ReasonLabels {
     reason: String,
 }
 
+/// Labels of `supervisor_init_memory_waits_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    /// How the wait ended: `ready`, `freed`, `timeout`, `stopped`.
+    outcome: &'static str,
+}
+
 /// All supervisor metrics; labels `engine_id` and `role` on every series.
 #[derive(Debug)]
 pub struct Metrics {
@@ -155,6 +167,10 @@ pub struct Metrics {
     /// Dynamo's failover series (`dynamo_component_engine_failover_*`), driven by
     /// [`Metrics::entered`].
     pub dynamo: DynamoFailover,
+    /// `--init-min-free-memory` waits before an engine spawn, by outcome.
+    init_memory_waits: Family<OutcomeLabels, Counter>,
+    /// Time those waits took.
+    pub init_memory_wait_seconds: Histogram,
 }
 
 /// Register `metric`; `help` as documented (`prometheus-client` adds the final full stop).
@@ -214,6 +230,8 @@ impl Metrics {
             router_pushes: AtomicCounter::default(),
             router_push_failures: AtomicCounter::default(),
             dynamo,
+            init_memory_waits: Family::default(),
+            init_memory_wait_seconds: Histogram::new(),
         };
         // Every phase has its series from the start (0 until it happens).
         for p in Phase::ALL {
@@ -334,6 +352,24 @@ impl Metrics {
             "Router pushes that failed (unreachable, timed out, or refused).",
             m.router_push_failures.0.clone(),
         );
+        for outcome in INIT_MEMORY_OUTCOMES {
+            drop(
+                m.init_memory_waits
+                    .get_or_create(&OutcomeLabels { outcome }),
+            );
+        }
+        register(
+            &mut registry,
+            counter_name("supervisor_init_memory_waits_total"),
+            "Waits for the device memory an engine needs to initialise (--init-min-free-memory), by outcome.",
+            m.init_memory_waits.clone(),
+        );
+        register(
+            &mut registry,
+            "supervisor_init_memory_wait_seconds",
+            "Time spent waiting for the device memory an engine needs to initialise.",
+            m.init_memory_wait_seconds.inner.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -342,6 +378,22 @@ impl Metrics {
     pub fn entered(&self, to: Phase, at_unix_us: i64) {
         self.transition(to);
         self.dynamo.entered(to, at_unix_us);
+    }
+
+    /// Count one `--init-min-free-memory` wait that ended with `outcome` (one of
+    /// [`INIT_MEMORY_OUTCOMES`]) after `waited`.
+    pub fn init_memory_wait(&self, outcome: &'static str, waited: Duration) {
+        self.init_memory_waits
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
+        self.init_memory_wait_seconds.observe(waited);
+    }
+
+    /// `--init-min-free-memory` waits that ended with `outcome` so far.
+    pub fn init_memory_waits_for(&self, outcome: &'static str) -> u64 {
+        self.init_memory_waits
+            .get(&OutcomeLabels { outcome })
+            .map_or(0, |c| c.get())
     }
 
     /// Count a transition into `to` (the project's counter only).
@@ -663,5 +715,58 @@ mod tests {
         let m = Metrics::new(0, "pri\"mary\n");
         let st = Status::new(0, "x");
         assert!(m.render(&st).contains("role=\"primary\""));
+    }
+
+    #[test]
+    fn init_memory_waits_are_counted_by_outcome_with_their_duration() {
+        let m = Metrics::new(1, "shadow");
+        let st = Status::new(1, "shadow");
+        let text = m.render(&st);
+        // Every outcome has its series from the start.
+        for o in INIT_MEMORY_OUTCOMES {
+            assert_eq!(
+                value(
+                    &text,
+                    &format!("supervisor_init_memory_waits_total{{{L},outcome=\"{o}\"}}")
+                ),
+                0.0
+            );
+        }
+        m.init_memory_wait("freed", Duration::from_millis(1500));
+        m.init_memory_wait("timeout", Duration::from_secs(600));
+        m.init_memory_wait("timeout", Duration::from_secs(600));
+        assert_eq!(m.init_memory_waits_for("timeout"), 2);
+        assert_eq!(m.init_memory_waits_for("ready"), 0);
+        let text = m.render(&st);
+        let count = |o: &str| {
+            value(
+                &text,
+                &format!("supervisor_init_memory_waits_total{{{L},outcome=\"{o}\"}}"),
+            )
+        };
+        assert_eq!(
+            (
+                count("ready"),
+                count("freed"),
+                count("timeout"),
+                count("stopped")
+            ),
+            (0.0, 1.0, 2.0, 0.0)
+        );
+        assert_eq!(
+            value(
+                &text,
+                &format!("supervisor_init_memory_wait_seconds_count{{{L}}}")
+            ),
+            3.0
+        );
+        assert_eq!(
+            value(
+                &text,
+                &format!("supervisor_init_memory_wait_seconds_bucket{{{L},le=\"2.5\"}}")
+            ),
+            1.0
+        );
+        assert!(types(&text).contains(&("supervisor_init_memory_waits".into(), "counter".into())));
     }
 }

@@ -100,6 +100,24 @@ impl std::fmt::Display for MarkKind {
     }
 }
 
+/// What the supervisor is waiting for before it goes on (`/state.waiting`), serialized in
+/// `snake_case`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitReason {
+    /// `--init-min-free-memory`: the device's free memory, before the engine is spawned.
+    InitMemory,
+}
+
+impl WaitReason {
+    /// The `snake_case` name used in `/state.waiting`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitReason::InitMemory => "init_memory",
+        }
+    }
+}
+
 /// The `/state` document.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StateDoc {
@@ -140,6 +158,21 @@ pub struct StateDoc {
     /// Wall-clock microseconds of the last occurrence of each mark.
     #[serde(default)]
     pub marks: BTreeMap<MarkKind, i64>,
+    /// What the supervisor is waiting for (in Init, before spawning the engine), or null.
+    #[serde(default)]
+    pub waiting: Option<WaitReason>,
+    /// While `waiting`: the free device memory needed, in bytes (null when not known yet).
+    #[serde(default)]
+    pub waiting_need_bytes: Option<u64>,
+    /// While `waiting`: the free device memory at the last sample, in bytes.
+    #[serde(default)]
+    pub waiting_free_bytes: Option<u64>,
+    /// While `waiting`: milliseconds waited so far.
+    #[serde(default)]
+    pub waiting_ms: Option<u64>,
+    /// While `waiting`: the wait's bound in milliseconds (`--init-memory-timeout`).
+    #[serde(default)]
+    pub waiting_timeout_ms: Option<u64>,
 }
 
 impl StateDoc {
@@ -204,6 +237,45 @@ mod tests {
         assert!(back.mark(MarkKind::LockGranted).is_some());
         assert!(back.mark(MarkKind::Fenced).is_none());
         assert!(back.entered(Phase::Active) >= back.entered(Phase::Waking));
+    }
+
+    #[test]
+    fn the_waiting_reason_reads_back_typed_and_defaults_to_none() {
+        let st = ProbeState::new(Status::new(1, "shadow"));
+        let doc = st.read().state_doc(Instant::now());
+        assert_eq!(doc.waiting, None);
+        let v = serde_json::to_value(&doc).unwrap();
+        assert!(v["waiting"].is_null(), "{v}");
+        let now = Instant::now();
+        st.write().waiting = Some(crate::Waiting {
+            reason: WaitReason::InitMemory,
+            since: now,
+            timeout: std::time::Duration::from_secs(600),
+            need_bytes: Some(60 << 30),
+            free_bytes: Some(20 << 30),
+        });
+        let doc = st
+            .read()
+            .state_doc(now + std::time::Duration::from_millis(1500));
+        let v = serde_json::to_value(&doc).unwrap();
+        assert_eq!(v["waiting"], "init_memory", "{v}");
+        assert_eq!(v["waiting_need_bytes"], 60u64 << 30);
+        assert_eq!(v["waiting_free_bytes"], 20u64 << 30);
+        assert_eq!(v["waiting_ms"], 1500);
+        assert_eq!(v["waiting_timeout_ms"], 600_000);
+        let back = StateDoc::parse(&v.to_string()).unwrap();
+        assert_eq!(back, doc);
+        assert_eq!(back.waiting, Some(WaitReason::InitMemory));
+        // Older supervisors: absent fields read as "not waiting".
+        let old = StateDoc::parse(r#"{"state":"init","engine_id":1,"role":"x"}"#).unwrap();
+        assert_eq!(
+            (old.waiting, old.waiting_need_bytes, old.waiting_ms),
+            (None, None, None)
+        );
+        assert!(
+            StateDoc::parse(r#"{"state":"init","engine_id":1,"role":"x","waiting":"nap"}"#)
+                .is_err()
+        );
     }
 
     #[test]

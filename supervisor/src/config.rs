@@ -238,6 +238,22 @@ pub struct RunArgs {
     #[arg(long, env = "SUPERVISOR_GMS_HANDSHAKE_TIMEOUT", value_parser = dur, default_value = "30s")]
     pub gms_handshake_timeout: Duration,
 
+    /// Free device memory the engine needs to INITIALISE (with `--gpu`/`--gpu-sim`): before
+    /// spawning the engine of every incarnation (the first one and each re-armed one), wait
+    /// until the device has this much free: bytes (`60GiB`, `60G`), a percentage of the
+    /// device's total (`85%`), or `0`/`off` (the default: no wait). vLLM refuses to start with
+    /// less than total × `--gpu-memory-utilization` free; see deploy/README.md, "Sizing two
+    /// engines on one GPU". Without a device (no `--gpu`, or no GPU driver) it does nothing
+    /// (one warning).
+    #[arg(long, env = "SUPERVISOR_INIT_MIN_FREE_MEMORY", value_parser = crate::driver::init_memory::parse_init_min_free, default_value = "off")]
+    pub init_min_free_memory: MinFree,
+
+    /// Bound of the `--init-min-free-memory` wait. On timeout the incarnation ends (Dead,
+    /// reason `init_memory_timeout`, exit code 20) and counts for the restart policy, so a
+    /// device that never frees reaches `--crash-loop-limit` instead of waiting for ever.
+    #[arg(long, env = "SUPERVISOR_INIT_MEMORY_TIMEOUT", value_parser = dur, default_value = "10m")]
+    pub init_memory_timeout: Duration,
+
     /// After the engine died and was fenced: `on-failure` starts a new incarnation of it as a
     /// shadow (after a backoff, up to `--crash-loop-limit`); `never` exits right after fencing
     /// (the first version's behaviour). A requested stop (SIGTERM/SIGINT) never restarts.

@@ -107,6 +107,10 @@ pub enum DeadReason {
     LockUnavailable(String),
     /// The lock server sent something that makes no sense in this state.
     Protocol(String),
+    /// `--init-min-free-memory`: the device did not have the memory the engine needs to
+    /// initialise within `--init-memory-timeout` (the text: need, free, wait). The engine was
+    /// never spawned.
+    InitMemoryTimeout(String),
 }
 
 impl DeadReason {
@@ -124,6 +128,7 @@ impl DeadReason {
             DeadReason::LockUnavailable(_) => 17,
             DeadReason::Protocol(_) => 18,
             DeadReason::GpuCheckFailed(_) => 19,
+            DeadReason::InitMemoryTimeout(_) => 20,
         }
     }
 
@@ -150,6 +155,7 @@ impl DeadReason {
             DeadReason::LockUnavailable(_) => "lock_unavailable",
             DeadReason::Protocol(_) => "protocol",
             DeadReason::GpuCheckFailed(_) => "gpu_check_failed",
+            DeadReason::InitMemoryTimeout(_) => "init_memory_timeout",
         }
     }
 }
@@ -168,6 +174,12 @@ impl std::fmt::Display for DeadReason {
             DeadReason::LockUnavailable(s) => write!(f, "lock unavailable: {s}"),
             DeadReason::Protocol(s) => write!(f, "lock protocol violation: {s}"),
             DeadReason::GpuCheckFailed(s) => write!(f, "GPU/GMS check before wake failed: {s}"),
+            DeadReason::InitMemoryTimeout(s) => {
+                write!(
+                    f,
+                    "device memory to initialise the engine not free in time: {s}"
+                )
+            }
         }
     }
 }

@@ -321,6 +321,7 @@ mod tests {
             DeadReason::LockUnavailable("x".into()),
             DeadReason::Protocol("x".into()),
             DeadReason::GpuCheckFailed("x".into()),
+            DeadReason::InitMemoryTimeout("x".into()),
         ];
         for r in &reasons {
             let mut p = RestartPolicy::new(RestartConfig {

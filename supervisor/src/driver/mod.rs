@@ -21,6 +21,7 @@ use crate::machine::{Action, DeadReason, Event, Machine, MachineConfig, Role, St
 use crate::process::{self, EngineSpec};
 
 mod fence;
+pub mod init_memory;
 mod router;
 mod sources;
 mod telemetry;
@@ -213,6 +214,7 @@ pub async fn run_with_checks(
         crash_loop_limit = restart.crash_loop_limit,
         "supervisor starting"
     );
+    init_memory::announce(&args, checks.as_ref());
 
     // The pod router (HAProxy runtime API): out of rotation until a phase says otherwise.
     let router = args.router_config().map(|c| {
@@ -320,6 +322,7 @@ fn rearm(args: &RunArgs, inc: Incarnation, restarts: u32, state: &ProbeState) {
         s.dead_reason = None;
         s.marks.clear();
         s.gave_up = false;
+        s.waiting = None;
         // Refined once the engine is spawned (the machine's own Init deadline).
         s.startup_deadline = Some(inc.started + args.startup_timeout);
     }
@@ -378,6 +381,27 @@ async fn run_incarnation(
     };
     probe_state.write().lock_connected = true;
     probe_state.mark(probes::MarkKind::LockConnected);
+
+    // 1b. `--init-min-free-memory`: the engine is spawned only once the device has the memory
+    //     it needs to initialise (bounded; no lease is held, only the connection).
+    match init_memory::wait_for_init_memory(args, inc.n, checks, probe_state, signals).await {
+        init_memory::Gate::Spawn => {}
+        init_memory::Gate::Stopped => {
+            lock.close().await;
+            probe_state.write().lock_connected = false;
+            return Ok(end_without_engine(
+                probe_state,
+                policy,
+                inc.started,
+                DeadReason::Stopped,
+            ));
+        }
+        init_memory::Gate::TimedOut(reason) => {
+            lock.close().await;
+            probe_state.write().lock_connected = false;
+            return Ok(end_without_engine(probe_state, policy, inc.started, reason));
+        }
+    }
 
     // 2. Spawn the engine with an inheritable dup of the lock connection (on this, the main,
     //    thread: PDEATHSIG is tied to the forking thread).

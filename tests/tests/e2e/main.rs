@@ -34,6 +34,7 @@ mod gms_reap_holds_lock;
 mod gms_restart_shadow;
 mod gpu_sim_waker_waits;
 mod hung_wake;
+mod init_memory;
 mod kubelet_pod;
 mod kubelet_replay;
 mod lock_keeper_after_reconnect;
