@@ -311,6 +311,14 @@ class Checker:
                 if any("gpu" in k for k in res.get(section, {})):
                     self.err(f"{c['name']}: has a GPU {section} entry; GPUs come from the DRA claim only")
 
+        # ---- two engines on one GPU claim: vLLM's start-up check asks for total x utilization
+        # FREE, so a shadow re-arming next to the Active engine needs utilization < 0.5.
+        for c in engines:
+            cmd = c.get("command", []) + c.get("args", [])
+            u = engine_flag(cmd, "--gpu-memory-utilization")
+            if u is not None and len(engines) > 1 and float(u) >= 0.5:
+                self.err(f"{c['name']}: --gpu-memory-utilization {u}: with two engines on the GPUs a "
+                         "re-armed shadow can never start next to the Active one (README, Sizing)")
         # ---- router and Service
         self.check_router(mains.get("router"), cm, engines, svc)
         return self.errors
@@ -509,6 +517,11 @@ def mutations(docs):
     cm = next(x for x in d if x and x["kind"] == "ConfigMap")
     cm["data"]["haproxy.cfg"] = cm["data"]["haproxy.cfg"].replace("path_beg /v1/", "path_beg /v1/ /sleep")
     out.append(("router forwards /sleep", d))
+    d = copy.deepcopy(docs)
+    c = eng(d, 0)["command"]
+    if "--gpu-memory-utilization" in c:
+        c[c.index("--gpu-memory-utilization") + 1] = "0.85"
+        out.append(("vLLM sized for one engine per GPU (0.85): the shadow never re-arms", d))
 
     def cfg_edit(d, a, b):
         cm = next(x for x in d if x and x["kind"] == "ConfigMap")

@@ -14,8 +14,8 @@
 //!
 //! Per-engine readiness is not a kubelet readinessProbe in this chart (pod readiness is the AND
 //! of its containers and a standing-by shadow is never ready); the pod's router checks each
-//! supervisor's `/ready` with the readiness numbers (inter/fall/rise of the router ConfigMap,
-//! equal to the router's readinessProbe). The replay probes `/ready` with those numbers, which
+//! supervisor's `/ready` with the numbers of the router ConfigMap (inter/fall/rise; inter and
+//! rise equal to the router's readinessProbe, fall its own). The replay probes `/ready` with those numbers, which
 //! are the same counting rules.
 //!
 //! TIME SCALING. The real numbers (2 h model load, 2 min waking timeout, 5 s liveness period,
@@ -107,8 +107,11 @@ pub(crate) struct EngineSpec {
 pub(crate) struct Rendered {
     /// engine-0 and engine-1, in that order.
     pub(crate) engines: Vec<EngineSpec>,
-    /// Per-engine readiness numbers (router health checks == router readinessProbe).
+    /// The router's readinessProbe (`/healthz`, the pod's readiness).
     pub(crate) readiness: ProbeSpec,
+    /// Per-engine readiness: the router's health checks of `/ready` (inter, fall, rise,
+    /// timeout check of its ConfigMap), the backstop of the supervisors' router push.
+    pub(crate) router_check: ProbeSpec,
     /// terminationGracePeriodSeconds of the pod.
     pub(crate) grace: Duration,
 }
@@ -207,27 +210,23 @@ pub(crate) fn load_rendered() -> Rendered {
         .lines()
         .find_map(|l| l.trim_start().strip_prefix("timeout check "))
         .expect("router timeout check");
-    // The router's checks ARE the per-engine readiness: same numbers as its readinessProbe.
-    assert_eq!(
-        humantime::parse_duration(word_after("inter")).unwrap(),
-        readiness.period
-    );
-    assert_eq!(
-        word_after("fall").parse::<u32>().unwrap(),
-        readiness.failure_threshold
-    );
-    assert_eq!(
-        word_after("rise").parse::<u32>().unwrap(),
-        readiness.success_threshold
-    );
-    assert_eq!(
-        humantime::parse_duration(check_timeout.trim()).unwrap(),
-        readiness.timeout
-    );
+    // The router's checks are the per-engine readiness: the readinessProbe's period, success
+    // threshold and timeout; their own fall (router.checkFall).
+    let router_check = ProbeSpec {
+        period: humantime::parse_duration(word_after("inter")).unwrap(),
+        timeout: humantime::parse_duration(check_timeout.trim()).unwrap(),
+        failure_threshold: word_after("fall").parse::<u32>().unwrap(),
+        success_threshold: word_after("rise").parse::<u32>().unwrap(),
+        ..readiness
+    };
+    assert_eq!(router_check.period, readiness.period);
+    assert_eq!(router_check.success_threshold, readiness.success_threshold);
+    assert_eq!(router_check.timeout, readiness.timeout);
     let grace = Duration::from_secs(pod["terminationGracePeriodSeconds"].as_u64().unwrap_or(30));
     Rendered {
         engines,
         readiness,
+        router_check,
         grace,
     }
 }
@@ -382,6 +381,14 @@ fn liveness_and_readiness_arithmetic() {
     );
     assert!(r.readiness.timeout <= r.readiness.period);
     assert_eq!(r.readiness.success_threshold, 1);
+    // One probe landing in a failover's few-millisecond /healthz gap must not take the pod out.
+    assert!(r.readiness.failure_threshold >= 2, "{:?}", r.readiness);
+    // One slow /ready check of a healthy Active engine must not take it out of the router.
+    assert!(
+        r.router_check.failure_threshold >= 2,
+        "{:?}",
+        r.router_check
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -546,7 +553,7 @@ pub(crate) fn scaled(r: &Rendered, engine: usize, k: f64) -> Scaled {
         // real time that does not shrink with the scenario, so it is scaled at most to K.
         startup: e.startup.scaled(k.max(K)),
         liveness: e.liveness.scaled(k),
-        readiness: r.readiness.scaled(k),
+        readiness: r.router_check.scaled(k),
         waking_timeout: e.waking_timeout.mul_f64(k),
         startup_timeout: e.startup_timeout.mul_f64(k),
         grace: r.grace.mul_f64(k),
