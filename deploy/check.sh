@@ -115,17 +115,18 @@ echo "== deploy: consistency checks"
   "$(sed -n 's/^  supervisorStartTimeout: *//p' "$CHART/values.yaml")" "$out/vllm.yaml" "$out/sglang.yaml"
 "$PY" deploy/check_manifests.py --self-test "$out/vllm.yaml"
 
-echo "== deploy: dashboard metric names exist in the code"
-python3 -c 'import json,sys; json.load(open(sys.argv[1]))' deploy/dashboards/failover.json
-"$PY" deploy/check_dashboard.py deploy/dashboards/failover.json
-
-echo "== deploy: the rendered pod (commands, probes, router) run locally with fake engines"
+echo "== deploy: haproxy (Debian's) for the dashboard's router metric names, the pod e2e and drill"
 if ! command -v haproxy >/dev/null 2>&1; then
   # Debian's haproxy (2.6 on bookworm) checks the config and runs the e2e; the chart's router
   # image is HAProxy 3.2 (see pod_e2e.py for what 2.6 cannot cover).
   export DEBIAN_FRONTEND=noninteractive
   apt-get install -y -qq haproxy >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq haproxy >/dev/null; }
 fi
+echo "== deploy: dashboard metric names exist in the code"
+python3 -c 'import json,sys; json.load(open(sys.argv[1]))' deploy/dashboards/failover.json
+"$PY" deploy/check_dashboard.py deploy/dashboards/failover.json
+
+echo "== deploy: the rendered pod (commands, probes, router) run locally with fake engines"
 cargo build --quiet -p lockd -p supervisor -p fake-engine -p gms-client --bins
 "$PY" deploy/pod_e2e.py --bin-dir "${CARGO_TARGET_DIR:-target}/debug" --manifest deploy/rendered/vllm.yaml
 
@@ -134,18 +135,18 @@ echo "== deploy: pod drill through the router (CI size): no request may fail"
   --rounds 24 --clients 8 --order random 2>&1 | grep -v -E '^(20[0-9]{2}-|\[WARNING\]|Server |Backup Server )'
 # The drill must catch a broken router setup: without L7 retries, and without the supervisors' push.
 for plant in no-retry no-push; do
-  if out="$("$PY" deploy/pod_drill.py --bin-dir "${CARGO_TARGET_DIR:-target}/debug" --manifest deploy/rendered/vllm.yaml \
+  if drill_out="$("$PY" deploy/pod_drill.py --bin-dir "${CARGO_TARGET_DIR:-target}/debug" --manifest deploy/rendered/vllm.yaml \
         --rounds 4 --kinds engine-kill,supervisor-kill --plant "$plant" 2>&1)"; then
     echo "FAIL: the pod drill passed with a planted router bug ($plant)" >&2
-    echo "$out" | tail -20 >&2
+    echo "$drill_out" | tail -20 >&2
     exit 1
   fi
-  if ! echo "$out" | grep -q -E '^FAIL: [1-9][0-9]* failed requests'; then
+  if ! echo "$drill_out" | grep -q -E '^FAIL: [1-9][0-9]* failed requests'; then
     echo "FAIL: the pod drill with a planted router bug ($plant) failed, but not for failed requests:" >&2
-    echo "$out" | tail -20 >&2
+    echo "$drill_out" | tail -20 >&2
     exit 1
   fi
-  echo "ok: planted router bug caught ($plant): $(echo "$out" | grep -m1 -E '^pod drill:')"
+  echo "ok: planted router bug caught ($plant): $(echo "$drill_out" | grep -m1 -E '^pod drill:')"
 done
 
 echo "== deploy: derived, not typed: other timeouts, periods and TP sizes"
