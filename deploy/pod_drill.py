@@ -246,6 +246,11 @@ def main() -> int:
             """Both engines up (one Active, one Standby) and the router in line with them."""
             deadline = time.monotonic() + limit
             while time.monotonic() < deadline:
+                for n, e in engines.items():
+                    if e[0].poll() is not None:
+                        # kubelet would restart it (and the pod would be NotReady meanwhile):
+                        # a supervisor only exits on a crash loop or a bug, never in a drill.
+                        raise AssertionError(f"{n}: supervisor exited with {e[0].returncode}")
                 st = {n: pe.state(e[1]) for n, e in engines.items()}
                 if sorted(v or "" for v in st.values()) == ["active", "standby"]:
                     act = next(n for n, v in st.items() if v == "active")

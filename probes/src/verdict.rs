@@ -35,8 +35,8 @@ pub fn startup(v: &ProbeView, _now: Instant) -> bool {
     v.started
 }
 
-/// `GET /live`: Init 200 until `--startup-timeout` has passed, then 503 (503 before any engine
-/// was spawned); Standby 200; Waking 200 until the waking deadline has passed, then 503;
+/// `GET /live`: Init 200 until `--startup-timeout` has passed, then 503 (the supervisor sets
+/// the deadline from its own start; 503 without one); Standby 200; Waking 200 until the waking deadline has passed, then 503;
 /// Active 200 while the engine is healthy; Dead (fencing, backoff, re-arming) 200 unless the
 /// supervisor gave up.
 pub fn live(v: &ProbeView, now: Instant) -> bool {

@@ -279,7 +279,9 @@ pub struct RunArgs {
     pub restart_reset: Duration,
 
     /// Restarts without a reset after which the supervisor gives up and exits with the last
-    /// incarnation's exit code (so that kubelet sees a truly broken container).
+    /// incarnation's exit code (so that kubelet sees a truly broken container). An incarnation
+    /// whose engine came up (reached Standby or Active) resets the count: its death is a
+    /// failover, not a crash loop.
     #[arg(long, env = "SUPERVISOR_CRASH_LOOP_LIMIT", default_value_t = 5)]
     pub crash_loop_limit: u32,
 

@@ -3,9 +3,11 @@
 //!
 //! Modelled on kubelet's CrashLoopBackOff (pkg/kubelet/kuberuntime, `backOff`): the delay
 //! doubles from `--restart-backoff` up to `--restart-backoff-max`, and is reset after an
-//! incarnation ran longer than `--restart-reset` (kubelet: 10 min). After
-//! `--crash-loop-limit` restarts without a reset the supervisor gives up with the last
-//! incarnation's exit code, so that a truly broken container is still visible to kubelet.
+//! incarnation ran longer than `--restart-reset` (kubelet: 10 min) **or came up** (its engine
+//! reached Standby or Active: it initialised, so its end is a failover, not a crash loop).
+//! After `--crash-loop-limit` restarts without a reset (engines that never came up) the
+//! supervisor gives up with the last incarnation's exit code, so that a truly broken container
+//! is still visible to kubelet.
 //! A requested stop (SIGTERM/SIGINT) never restarts (exit 0). No clock: the run time is an
 //! input.
 
@@ -99,6 +101,25 @@ pub enum Decision {
     },
 }
 
+/// How an incarnation ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    /// From its start (before its lock connection) to its end.
+    pub ran: Duration,
+    /// Whether its engine came up: reached Standby or Active.
+    pub came_up: bool,
+}
+
+impl Run {
+    /// An incarnation that never came up and ran `ran`.
+    pub fn failed_after(ran: Duration) -> Run {
+        Run {
+            ran,
+            came_up: false,
+        }
+    }
+}
+
 /// The policy's memory across incarnations.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RestartPolicy {
@@ -140,14 +161,14 @@ impl RestartPolicy {
             .min(self.cfg.backoff_max)
     }
 
-    /// Whether the next end of an incarnation that has run `ran` so far gives up: what
-    /// `/live` answers in Dead before the decision is taken (a pure look-ahead, no change).
-    pub fn would_give_up(&self, reason: &DeadReason, ran: Duration) -> bool {
-        matches!(self.clone().decide(reason, ran), Decision::GiveUp { .. })
+    /// Whether the next end of an incarnation gives up: what `/live` answers in Dead before
+    /// the decision is taken (a pure look-ahead, no change).
+    pub fn would_give_up(&self, reason: &DeadReason, run: Run) -> bool {
+        matches!(self.clone().decide(reason, run), Decision::GiveUp { .. })
     }
 
-    /// An incarnation ended with `reason` after running `ran`: restart or give up.
-    pub fn decide(&mut self, reason: &DeadReason, ran: Duration) -> Decision {
+    /// An incarnation ended with `reason` after `run`: restart or give up.
+    pub fn decide(&mut self, reason: &DeadReason, run: Run) -> Decision {
         if matches!(reason, DeadReason::Stopped) {
             return Decision::GiveUp {
                 exit_code: reason.exit_code(),
@@ -160,7 +181,7 @@ impl RestartPolicy {
                 why: GiveUpWhy::Never,
             };
         }
-        if ran >= self.cfg.reset_after {
+        if run.ran >= self.cfg.reset_after || run.came_up {
             self.consecutive = 0;
         }
         if self.consecutive >= self.cfg.crash_loop_limit {
@@ -208,7 +229,7 @@ mod tests {
     fn backoff_doubles_then_caps() {
         let mut p = RestartPolicy::new(cfg());
         let got: Vec<u64> = (0..8)
-            .map(|_| restart(p.decide(&crash(), S)).as_secs())
+            .map(|_| restart(p.decide(&crash(), Run::failed_after(S))).as_secs())
             .collect();
         assert_eq!(got, [1, 2, 4, 8, 16, 30, 30, 30]);
         assert_eq!(p.consecutive(), 8);
@@ -231,19 +252,22 @@ mod tests {
     fn a_long_run_resets_backoff_and_the_crash_loop_count() {
         let mut p = RestartPolicy::new(cfg());
         for _ in 0..4 {
-            restart(p.decide(&crash(), S));
+            restart(p.decide(&crash(), Run::failed_after(S)));
         }
         assert_eq!(p.consecutive(), 4);
         // Just under the reset interval: no reset, the doubling goes on.
         assert_eq!(
-            restart(p.decide(&crash(), 600 * S - Duration::from_millis(1))),
+            restart(p.decide(
+                &crash(),
+                Run::failed_after(600 * S - Duration::from_millis(1))
+            )),
             16 * S
         );
         // At the interval: back to the first delay.
-        assert_eq!(restart(p.decide(&crash(), 600 * S)), S);
+        assert_eq!(restart(p.decide(&crash(), Run::failed_after(600 * S))), S);
         assert_eq!(p.consecutive(), 1);
         assert_eq!(p.total(), 6);
-        assert_eq!(restart(p.decide(&crash(), S)), 2 * S);
+        assert_eq!(restart(p.decide(&crash(), Run::failed_after(S))), 2 * S);
     }
 
     #[test]
@@ -253,12 +277,12 @@ mod tests {
             ..cfg()
         });
         for _ in 0..3 {
-            restart(p.decide(&crash(), S));
+            restart(p.decide(&crash(), Run::failed_after(S)));
         }
-        assert!(p.would_give_up(&DeadReason::StartupTimeout, S));
-        assert!(!p.would_give_up(&DeadReason::StartupTimeout, 600 * S));
+        assert!(p.would_give_up(&DeadReason::StartupTimeout, Run::failed_after(S)));
+        assert!(!p.would_give_up(&DeadReason::StartupTimeout, Run::failed_after(600 * S)));
         assert_eq!(
-            p.decide(&DeadReason::StartupTimeout, S),
+            p.decide(&DeadReason::StartupTimeout, Run::failed_after(S)),
             Decision::GiveUp {
                 exit_code: 11,
                 why: GiveUpWhy::CrashLoop
@@ -267,14 +291,38 @@ mod tests {
         // Giving up changes nothing: asked again, the same answer.
         assert_eq!(p.total(), 3);
         assert_eq!(
-            p.decide(&crash(), S),
+            p.decide(&crash(), Run::failed_after(S)),
             Decision::GiveUp {
                 exit_code: 10,
                 why: GiveUpWhy::CrashLoop
             }
         );
         // A long run resets even at the limit.
-        assert_eq!(restart(p.decide(&crash(), 600 * S)), S);
+        assert_eq!(restart(p.decide(&crash(), Run::failed_after(600 * S))), S);
+    }
+
+    #[test]
+    fn an_incarnation_that_came_up_resets_the_crash_loop_count() {
+        let mut p = RestartPolicy::new(RestartConfig {
+            crash_loop_limit: 2,
+            ..cfg()
+        });
+        restart(p.decide(&crash(), Run::failed_after(S)));
+        restart(p.decide(&crash(), Run::failed_after(S)));
+        // At the limit, an engine that never came up gives up...
+        assert!(p.would_give_up(&crash(), Run::failed_after(S)));
+        // ...but one that came up (a failover of a serving engine) is restarted after the
+        // first delay, however often it happens.
+        let up = Run {
+            ran: S,
+            came_up: true,
+        };
+        assert!(!p.would_give_up(&crash(), up));
+        for _ in 0..10 {
+            assert_eq!(restart(p.decide(&crash(), up)), S);
+        }
+        assert_eq!(p.consecutive(), 1);
+        assert_eq!(p.total(), 12);
     }
 
     #[test]
@@ -284,7 +332,7 @@ mod tests {
             ..cfg()
         });
         assert!(matches!(
-            p.decide(&crash(), S),
+            p.decide(&crash(), Run::failed_after(S)),
             Decision::GiveUp {
                 exit_code: 10,
                 why: GiveUpWhy::CrashLoop
@@ -296,9 +344,9 @@ mod tests {
     fn a_requested_stop_never_restarts() {
         for mode in [RestartMode::OnFailure, RestartMode::Never] {
             let mut p = RestartPolicy::new(RestartConfig { mode, ..cfg() });
-            assert!(p.would_give_up(&DeadReason::Stopped, S));
+            assert!(p.would_give_up(&DeadReason::Stopped, Run::failed_after(S)));
             assert_eq!(
-                p.decide(&DeadReason::Stopped, S),
+                p.decide(&DeadReason::Stopped, Run::failed_after(S)),
                 Decision::GiveUp {
                     exit_code: 0,
                     why: GiveUpWhy::Stopped
@@ -329,7 +377,7 @@ mod tests {
                 ..cfg()
             });
             assert_eq!(
-                p.decide(r, 600 * S),
+                p.decide(r, Run::failed_after(600 * S)),
                 Decision::GiveUp {
                     exit_code: r.exit_code(),
                     why: GiveUpWhy::Never
@@ -340,7 +388,7 @@ mod tests {
         // on-failure restarts every one of them.
         let mut p = RestartPolicy::new(cfg());
         for r in &reasons {
-            restart(p.decide(r, 600 * S));
+            restart(p.decide(r, Run::failed_after(600 * S)));
         }
     }
 }

@@ -165,6 +165,8 @@ struct Ctx<'a> {
 struct IncarnationEnd {
     /// Why it went Dead.
     reason: DeadReason,
+    /// Whether its engine came up (reached Standby or Active).
+    came_up: bool,
     /// Whether an engine was spawned (and fenced): only then does the last one linger.
     spawned: bool,
 }
@@ -188,6 +190,9 @@ pub async fn run_with_checks(
     process::become_subreaper()?;
 
     let probe_state = ProbeState::new(Status::new(args.engine_id, args.role.as_str()));
+    // `/live` in Init: 200 until --startup-timeout, counted from now for the first incarnation
+    // (reaching lockd and spawning are part of the start); refined once the engine is spawned.
+    probe_state.write().startup_deadline = Some(Instant::now() + args.startup_timeout);
     bump_restart_counter(&args, &probe_state);
     persist_failover_counters(&args, &probe_state);
     let listener = tokio::net::TcpListener::bind(&args.probes)
@@ -242,7 +247,11 @@ pub async fn run_with_checks(
         };
         let end = run_incarnation(ctx, inc, &mut signals).await?;
         let ran = inc.started.elapsed();
-        match policy.decide(&end.reason, ran) {
+        let run = crate::restart::Run {
+            ran,
+            came_up: end.came_up,
+        };
+        match policy.decide(&end.reason, run) {
             Decision::GiveUp { exit_code, why } => {
                 probe_state.write().gave_up = true;
                 tracing::info!(
@@ -450,6 +459,8 @@ async fn run_incarnation(
     let mut granted_at: Option<Instant> = None;
     let mut waking_at: Option<Instant> = None;
     let mut engine_gone = false;
+    // The engine came up (reached Standby or Active): its end is a failover, not a crash loop.
+    let mut came_up = false;
     let holder = args.holder_name();
     // Holds the current lock connection after a reconnect (see process::Keeper).
     let mut keeper: Option<process::Keeper> = None;
@@ -555,6 +566,9 @@ async fn run_incarnation(
         let now = Instant::now();
         let actions = machine.feed(&event, now);
         let after = machine.state.phase();
+        if matches!(after, Phase::Standby | Phase::Active) {
+            came_up = true;
+        }
         if before != after {
             let waking_deadline = match &machine.state {
                 State::Waking { deadline, .. } => Some(*deadline),
@@ -563,7 +577,11 @@ async fn run_incarnation(
             if let State::Dead(r) = &machine.state {
                 // `/live` in Dead: 200 while a new incarnation will follow, 503 once the
                 // supervisor is giving up (it exits after fencing).
-                let gave_up = policy.would_give_up(r, now.saturating_duration_since(inc.started));
+                let run = crate::restart::Run {
+                    ran: now.saturating_duration_since(inc.started),
+                    came_up,
+                };
+                let gave_up = policy.would_give_up(r, run);
                 probe_state.write().gave_up = gave_up;
             }
             if after == Phase::Active {
@@ -760,6 +778,7 @@ async fn run_incarnation(
     tracing::info!("lock connection closed");
     Ok(IncarnationEnd {
         reason,
+        came_up,
         spawned: true,
     })
 }
@@ -794,12 +813,16 @@ fn end_without_engine(
     {
         let mut s = state.write();
         s.dead_reason = Some(reason.to_string());
-        s.gave_up = policy.would_give_up(&reason, started.elapsed());
+        s.gave_up = policy.would_give_up(
+            &reason,
+            crate::restart::Run::failed_after(started.elapsed()),
+        );
     }
     state.enter(Phase::Dead, None);
     tracing::info!(from = "init", to = "dead", reason = %reason, "transition");
     IncarnationEnd {
         reason,
+        came_up: false,
         spawned: false,
     }
 }
