@@ -473,32 +473,18 @@ fn recipe(
 /// own backoff scaled like everything else (1 s x K).
 const REARM: [&str; 4] = ["--restart", "on-failure", "--restart-backoff", "50ms"];
 
-fn secs(d: Duration) -> String {
-    format!("{:.3}s", d.as_secs_f64())
-}
-
-// ---------------------------------------------------------------------------------------------
-// (a) failover + the replaced engine's full re-init: the engines never take the pod down
-// ---------------------------------------------------------------------------------------------
-
-#[test]
-fn pod_stays_ready_through_a_failover_and_the_replaced_engines_reinit() {
-    let _g = harness::serial();
-    let r = load_rendered();
-    let (s0, s1) = (scaled(&r, 0, K), scaled(&r, 1, K));
-    let backoff = CrashLoopBackOff::default().scaled(K);
-    // A 1.5 s load (30 s unscaled), a 100 ms wake (2 s unscaled).
-    let b = EngineBehaviour {
-        init: Duration::from_millis(1500),
-        wake: Duration::from_millis(100),
-    };
+/// The rendered pod started under the model with both engines behaving as `b` and their
+/// supervisors given `sup`, run until it is Ready with engine-0 Active and engine-1 Standby
+/// (panics with every log otherwise).
+fn pair_up(name: &str, r: &Rendered, b: &EngineBehaviour, sup: &[&'static str]) -> PodRun {
+    let (s0, s1) = (scaled(r, 0, K), scaled(r, 1, K));
     let mut pod = PodRun::start(
-        "pod-a",
+        name,
         K,
-        backoff,
+        CrashLoopBackOff::default().scaled(K),
         [
-            recipe(&s0, "primary", &b, &REARM, &[]),
-            recipe(&s1, "shadow", &b, &REARM, &[]),
+            recipe(&s0, "primary", b, sup, &[]),
+            recipe(&s1, "shadow", b, sup, &[]),
         ],
     );
     let up = pod.run_until(Duration::from_secs(30), |p| {
@@ -511,6 +497,28 @@ fn pod_stays_ready_through_a_failover_and_the_replaced_engines_reinit() {
         "pod never Ready with engine-0 Active, engine-1 Standby\n{}",
         pod.logs()
     );
+    pod
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.3}s", d.as_secs_f64())
+}
+
+// ---------------------------------------------------------------------------------------------
+// (a) failover + the replaced engine's full re-init: the engines never take the pod down
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn pod_stays_ready_through_a_failover_and_the_replaced_engines_reinit() {
+    let _g = harness::serial();
+    let r = load_rendered();
+    // A 1.5 s load (30 s unscaled), a 100 ms wake (2 s unscaled).
+    let b = EngineBehaviour {
+        init: Duration::from_millis(1500),
+        wake: Duration::from_millis(100),
+    };
+    let mut pod = pair_up("pod-a", &r, &b, &REARM);
+    let backoff = CrashLoopBackOff::default().scaled(K);
     let ready_at = pod.now();
     // Stay a few router periods, then kill the Active engine (not its container).
     pod.run_for(r.readiness.scaled(K).period * 4);
@@ -620,28 +628,13 @@ fn pod_stays_ready_through_a_failover_and_the_replaced_engines_reinit() {
 fn the_same_failover_with_restart_never_takes_the_pod_not_ready() {
     let _g = harness::serial();
     let r = load_rendered();
-    let (s0, s1) = (scaled(&r, 0, K), scaled(&r, 1, K));
-    let backoff = CrashLoopBackOff::default().scaled(K);
     let b = EngineBehaviour {
         init: Duration::from_millis(1500),
         wake: Duration::from_millis(100),
     };
     let never: [&str; 2] = ["--restart", "never"];
-    let mut pod = PodRun::start(
-        "pod-a-never",
-        K,
-        backoff,
-        [
-            recipe(&s0, "primary", &b, &never, &[]),
-            recipe(&s1, "shadow", &b, &never, &[]),
-        ],
-    );
-    let up = pod.run_until(Duration::from_secs(30), |p| {
-        p.pod_ready()
-            && p.engine(0).state() == Some(Phase::Active)
-            && p.engine(1).state() == Some(Phase::Standby)
-    });
-    assert!(up, "pod never Ready\n{}", pod.logs());
+    let mut pod = pair_up("pod-a-never", &r, &b, &never);
+    let backoff = CrashLoopBackOff::default().scaled(K);
     pod.run_for(r.readiness.scaled(K).period * 4);
     let ready_at = pod.now();
     pod.engine(0)
@@ -686,28 +679,13 @@ fn old_startup() -> ProbeSpec {
 fn container_kill_costs_a_startup_period_not_the_model_load() {
     let _g = harness::serial();
     let r = load_rendered();
-    let (s0, s1) = (scaled(&r, 0, K), scaled(&r, 1, K));
-    let backoff = CrashLoopBackOff::default().scaled(K);
     // A 2 s load (40 s unscaled): long against the startup period (50 ms scaled).
     let b = EngineBehaviour {
         init: Duration::from_millis(2000),
         wake: Duration::from_millis(100),
     };
-    let mut pod = PodRun::start(
-        "pod-b",
-        K,
-        backoff,
-        [
-            recipe(&s0, "primary", &b, &REARM, &[]),
-            recipe(&s1, "shadow", &b, &REARM, &[]),
-        ],
-    );
-    let up = pod.run_until(Duration::from_secs(30), |p| {
-        p.pod_ready()
-            && p.engine(0).state() == Some(Phase::Active)
-            && p.engine(1).state() == Some(Phase::Standby)
-    });
-    assert!(up, "pod never Ready\n{}", pod.logs());
+    let mut pod = pair_up("pod-b", &r, &b, &REARM);
+    let backoff = CrashLoopBackOff::default().scaled(K);
     pod.run_for(r.readiness.scaled(K).period * 4);
     let ready_at = pod.now();
     // The Active engine's container is killed: supervisor and engine SIGKILLed.
@@ -785,7 +763,7 @@ fn container_kill_costs_a_startup_period_not_the_model_load() {
         1.0 / K,
         secs(restart.saturating_sub(exit)),
         secs(up_after),
-        secs(s0.startup.period),
+        secs(scaled(&r, 0, K).startup.period),
         secs(new_nr),
         secs(old_nr),
         secs(b.init),
@@ -798,7 +776,7 @@ fn container_kill_costs_a_startup_period_not_the_model_load() {
     // The new design: NotReady only while the restarted supervisor comes up plus one startup
     // period (and the kill's detection), never the load.
     assert!(
-        new_nr <= up_after + s0.startup.period + SLACK,
+        new_nr <= up_after + scaled(&r, 0, K).startup.period + SLACK,
         "new design NotReady {new_nr:?} (up after {up_after:?})"
     );
     assert!(
