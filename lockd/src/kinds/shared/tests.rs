@@ -268,8 +268,10 @@ enum Op {
         exclusive: bool,
         min_version: u64,
     },
-    End(u8),
-    Commit(u8),
+    /// End a lease or withdraw a request: a live id picked by index, or (`true`) any id.
+    End(bool, u8),
+    /// Commit: a holder picked by index, or (`true`) any id.
+    Commit(bool, u8),
     Restart,
 }
 
@@ -281,8 +283,8 @@ fn op() -> impl Strategy<Value = Op> {
                 exclusive,
                 min_version: if exclusive { 0 } else { mv },
             }),
-        3 => (0u8..24).prop_map(Op::End),
-        2 => (0u8..24).prop_map(Op::Commit),
+        3 => (prop::bool::weighted(0.1), any::<u8>()).prop_map(|(raw, i)| Op::End(raw, i)),
+        2 => (prop::bool::weighted(0.1), any::<u8>()).prop_map(|(raw, i)| Op::Commit(raw, i)),
         1 => Just(Op::Restart),
     ]
 }
@@ -396,6 +398,15 @@ impl Model {
     }
 }
 
+/// A live id by index, or any small id (possibly unknown) when `raw` or nothing is live.
+fn pick(raw: bool, i: u8, live: &[LeaseId]) -> LeaseId {
+    if raw || live.is_empty() {
+        LeaseId::from(i % 32)
+    } else {
+        live[usize::from(i) % live.len()]
+    }
+}
+
 /// Runs one history against the table (with the planted bug if asked) and checks it.
 fn check_history(ops: &[Op], plant_bug: bool) -> Result<(), TestCaseError> {
     let mut t = SharedTable::new();
@@ -449,8 +460,10 @@ fn check_history(ops: &[Op], plant_bug: bool) -> Result<(), TestCaseError> {
                     Admission::Queued => prop_assert!(!parked),
                 }
             }
-            Op::End(id) => {
-                let id = LeaseId::from(*id);
+            Op::End(raw, i) => {
+                let live: Vec<LeaseId> =
+                    m.holders.keys().chain(m.waiting.keys()).copied().collect();
+                let id = pick(*raw, *i, &live);
                 let known = m.holders.contains_key(&id) || m.waiting.contains_key(&id);
                 match t.end(id) {
                     Ok(out) => {
@@ -475,8 +488,9 @@ fn check_history(ops: &[Op], plant_bug: bool) -> Result<(), TestCaseError> {
                     Err(_) => prop_assert!(!known),
                 }
             }
-            Op::Commit(id) => {
-                let id = LeaseId::from(*id);
+            Op::Commit(raw, i) => {
+                let live: Vec<LeaseId> = m.holders.keys().copied().collect();
+                let id = pick(*raw, *i, &live);
                 let writer = match m.holders.get(&id) {
                     Some((res, Mode::Exclusive)) => Some(res.clone()),
                     _ => None,
@@ -532,6 +546,17 @@ fn check_history(ops: &[Op], plant_bug: bool) -> Result<(), TestCaseError> {
             in_table.extend(p);
         }
         prop_assert_eq!(in_table, waiting);
+        // Parked exactly when the version is below the request's min_version.
+        for res in m.version.keys() {
+            let parked: BTreeSet<LeaseId> = t.waiters(res).1.into_iter().collect();
+            let expect: BTreeSet<LeaseId> = m
+                .waiting
+                .iter()
+                .filter(|(_, w)| w.res == *res && m.parked(w))
+                .map(|(id, _)| *id)
+                .collect();
+            prop_assert_eq!(parked, expect, "parked set on {}", res);
+        }
     }
     Ok(())
 }
