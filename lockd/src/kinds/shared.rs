@@ -416,6 +416,15 @@ impl SharedTable {
         self.resources.get(resource).map_or(0, |r| r.epoch)
     }
 
+    /// Makes every later grant on `resource` get an epoch `> floor` (no-op if already so).
+    /// The table allocates shared/exclusive epochs itself (a release can grant a whole batch
+    /// of readers at once); the core calls this to keep one increasing epoch sequence per
+    /// resource name, e.g. with the epoch of a state file migrated from version 1.
+    pub fn raise_epoch(&mut self, resource: &str, floor: u64) {
+        let res = self.resources.entry(resource.to_string()).or_default();
+        res.epoch = res.epoch.max(floor);
+    }
+
     /// The resource's holders, by id, with their mode.
     pub fn holders(&self, resource: &str) -> Vec<(LeaseId, Mode)> {
         self.resources.get(resource).map_or(Vec::new(), |r| {

@@ -152,6 +152,23 @@ impl fmt::Display for LeaseState {
     }
 }
 
+/// A TTL acquire request; every identifier is allocated by the core.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TtlRequest {
+    /// The new lease's id (never reused).
+    pub id: LeaseId,
+    /// The resource.
+    pub resource: String,
+    /// The holder's name.
+    pub holder: String,
+    /// Secret the holder presents to renew/release from another connection (opaque here).
+    pub token: String,
+    /// Fencing epoch from the core's per-resource counter (stored and reported, not checked).
+    pub epoch: u64,
+    /// The TTL (ms resolution); each renew restarts it.
+    pub ttl: Duration,
+}
+
 /// Why a TTL operation was refused. Nothing changes in the table when one is returned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TtlError {
@@ -198,6 +215,8 @@ pub struct Ended {
     pub resource: String,
     /// Its holder.
     pub holder: String,
+    /// Its fencing epoch.
+    pub epoch: u64,
     /// Why it ended.
     pub reason: EndReason,
     /// Wall-clock end time (ms since the Unix epoch).
@@ -213,6 +232,8 @@ pub struct LeaseInfo {
     pub resource: String,
     /// Its holder.
     pub holder: String,
+    /// Its fencing epoch.
+    pub epoch: u64,
     /// Its TTL (each renew restarts it).
     pub ttl: Duration,
     /// Monotonic deadline: expired at `now >= deadline`.
@@ -256,6 +277,9 @@ pub struct TtlLeaseRecord {
     pub holder: String,
     /// Secret presented to renew/release from another connection (opaque here).
     pub token: String,
+    /// Its fencing epoch.
+    #[serde(default)]
+    pub epoch: u64,
     /// The TTL in ms.
     pub ttl_ms: u64,
     /// Wall-clock grant time.
@@ -276,6 +300,9 @@ pub struct TtlTombstoneRecord {
     pub resource: String,
     /// Its holder.
     pub holder: String,
+    /// Its fencing epoch.
+    #[serde(default)]
+    pub epoch: u64,
     /// Why it ended.
     pub reason: EndReason,
     /// Wall-clock end time.
@@ -310,6 +337,7 @@ struct Lease {
     resource: String,
     holder: String,
     token: String,
+    epoch: u64,
     ttl: Duration,
     deadline: Instant,
     expires_at_unix_ms: u64,
@@ -350,30 +378,23 @@ impl TtlTable {
         }
     }
 
-    /// Grants `resource` to `holder` for `ttl` (ms resolution) under the id `id`.
-    pub fn acquire(
-        &mut self,
-        id: LeaseId,
-        resource: &str,
-        holder: &str,
-        token: &str,
-        ttl: Duration,
-        now: Now,
-    ) -> Outcome<LeaseInfo> {
+    /// Grants the request's resource to its holder for its TTL, or refuses it
+    /// ([`TtlError::Busy`] if the resource has a live lease).
+    pub fn acquire(&mut self, req: TtlRequest, now: Now) -> Outcome<LeaseInfo> {
         let ended = self.tick(now);
-        let result = self.acquire_inner(id, resource, holder, token, ttl, now);
+        let result = self.acquire_inner(req, now);
         Outcome { result, ended }
     }
 
-    fn acquire_inner(
-        &mut self,
-        id: LeaseId,
-        resource: &str,
-        holder: &str,
-        token: &str,
-        ttl: Duration,
-        now: Now,
-    ) -> Result<LeaseInfo, TtlError> {
+    fn acquire_inner(&mut self, req: TtlRequest, now: Now) -> Result<LeaseInfo, TtlError> {
+        let TtlRequest {
+            id,
+            resource,
+            holder,
+            token,
+            epoch,
+            ttl,
+        } = req;
         let ms = ttl_ms(ttl);
         if ms == 0 {
             return Err(TtlError::ZeroTtl);
@@ -381,18 +402,19 @@ impl TtlTable {
         if self.leases.contains_key(&id) || self.tombstones.contains_key(&id) {
             return Err(TtlError::DuplicateId(id));
         }
-        if let Some(&lease) = self.by_resource.get(resource) {
+        if let Some(&lease) = self.by_resource.get(&resource) {
             return Err(TtlError::Busy {
-                resource: resource.to_string(),
+                resource,
                 holder: self.leases[&lease].holder.clone(),
                 lease,
             });
         }
         let ttl = Duration::from_millis(ms);
         let lease = Lease {
-            resource: resource.to_string(),
-            holder: holder.to_string(),
-            token: token.to_string(),
+            resource,
+            holder,
+            token,
+            epoch,
             ttl,
             deadline: now.mono + ttl,
             expires_at_unix_ms: now.unix_ms.saturating_add(ms),
@@ -470,6 +492,7 @@ impl TtlTable {
             id,
             resource: l.resource,
             holder: l.holder,
+            epoch: l.epoch,
             reason,
             ended_at_unix_ms: now.unix_ms,
         };
@@ -545,6 +568,7 @@ impl TtlTable {
             id,
             resource: l.resource.clone(),
             holder: l.holder.clone(),
+            epoch: l.epoch,
             ttl: l.ttl,
             deadline: l.deadline,
             expires_at_unix_ms: l.expires_at_unix_ms,
@@ -598,6 +622,7 @@ impl TtlTable {
             resource: l.resource.clone(),
             holder: l.holder.clone(),
             token: l.token.clone(),
+            epoch: l.epoch,
             ttl_ms: ttl_ms(l.ttl),
             granted_at_unix_ms: l.granted_at_unix_ms,
             expires_at_unix_ms: l.expires_at_unix_ms,
@@ -622,6 +647,7 @@ impl TtlTable {
                         id: e.id,
                         resource: e.resource.clone(),
                         holder: e.holder.clone(),
+                        epoch: e.epoch,
                         reason: e.reason.clone(),
                         ended_at_unix_ms: e.ended_at_unix_ms,
                     }
@@ -653,6 +679,7 @@ impl TtlTable {
                 id: r.id,
                 resource: r.resource,
                 holder: r.holder,
+                epoch: r.epoch,
                 reason: r.reason,
                 ended_at_unix_ms: r.ended_at_unix_ms,
             };
@@ -680,6 +707,7 @@ impl TtlTable {
                 resource: r.resource,
                 holder: r.holder,
                 token: r.token,
+                epoch: r.epoch,
                 ttl: Duration::from_millis(r.ttl_ms),
                 deadline: now.mono + Duration::from_millis(remaining),
                 expires_at_unix_ms: now.unix_ms + remaining,

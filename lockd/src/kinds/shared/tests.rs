@@ -243,6 +243,16 @@ fn restore_keeps_versions_epochs_and_holders() {
 }
 
 #[test]
+fn raise_epoch_only_raises() {
+    let mut t = SharedTable::new();
+    t.raise_epoch("w", 41);
+    assert_eq!(granted(t.acquire(shared(1)).unwrap()).epoch, 42);
+    t.raise_epoch("w", 10);
+    assert_eq!(granted(t.acquire(shared(2)).unwrap()).epoch, 43);
+    assert_eq!(t.epoch("w"), 43);
+}
+
+#[test]
 fn restore_refuses_inconsistent_records() {
     let mut t = SharedTable::new();
     granted(t.acquire(excl(1)).unwrap());

@@ -19,6 +19,18 @@ fn table() -> TtlTable {
     TtlTable::new(TtlConfig::default())
 }
 
+/// A request with epoch = id (the core's per-resource counter in real life).
+fn req(id: LeaseId, resource: &str, holder: &str, token: &str, ttl: Duration) -> TtlRequest {
+    TtlRequest {
+        id,
+        resource: resource.into(),
+        holder: holder.into(),
+        token: token.into(),
+        epoch: id,
+        ttl,
+    }
+}
+
 fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
 }
@@ -29,10 +41,11 @@ fn acquire_is_held() {
     let b = Instant::now();
     let mut t = table();
     let info = t
-        .acquire(1, "gpu0", "w1", "tok", secs(2), at(b, 0))
+        .acquire(req(1, "gpu0", "w1", "tok", secs(2)), at(b, 0))
         .result
         .unwrap();
     assert_eq!(info.deadline, b + secs(2));
+    assert_eq!(info.epoch, 1);
     assert_eq!(info.expires_at_unix_ms, WALL0 + 2000);
     assert_eq!(t.state(1), LeaseState::Held);
     assert_eq!(t.state(1).ternary(), Some(1));
@@ -45,7 +58,7 @@ fn acquire_is_held() {
 fn expires_at_the_deadline() {
     let b = Instant::now();
     let mut t = table();
-    t.acquire(1, "gpu0", "w1", "", secs(2), at(b, 0));
+    t.acquire(req(1, "gpu0", "w1", "", secs(2)), at(b, 0));
     assert_eq!(t.next_deadline(), Some(b + secs(2)));
     assert!(t.tick(at(b, 1999)).is_empty());
     assert_eq!(t.state(1), LeaseState::Held);
@@ -66,7 +79,7 @@ fn expires_at_the_deadline() {
 fn late_tick_stamps_the_deadline() {
     let b = Instant::now();
     let mut t = table();
-    t.acquire(1, "gpu0", "w1", "", secs(2), at(b, 0));
+    t.acquire(req(1, "gpu0", "w1", "", secs(2)), at(b, 0));
     let ended = t.tick(at(b, 5000));
     assert_eq!(ended[0].ended_at_unix_ms, WALL0 + 2000);
 }
@@ -77,7 +90,7 @@ fn late_tick_stamps_the_deadline() {
 fn renew_extends() {
     let b = Instant::now();
     let mut t = table();
-    t.acquire(1, "gpu0", "w1", "", secs(2), at(b, 0));
+    t.acquire(req(1, "gpu0", "w1", "", secs(2)), at(b, 0));
     let info = t.renew(1, at(b, 1500)).result.unwrap();
     assert_eq!(info.deadline, b + Duration::from_millis(3500));
     assert_eq!(info.expires_at_unix_ms, WALL0 + 3500);
@@ -95,7 +108,7 @@ fn renew_extends() {
 fn renew_after_expiry_is_refused() {
     let b = Instant::now();
     let mut t = table();
-    t.acquire(1, "gpu0", "w1", "", secs(1), at(b, 0));
+    t.acquire(req(1, "gpu0", "w1", "", secs(1)), at(b, 0));
     let out = t.renew(1, at(b, 1000));
     assert_eq!(
         out.result,
@@ -113,10 +126,10 @@ fn renew_after_expiry_is_refused() {
     // Still refused later, and re-acquire from scratch works with a new id.
     assert!(t.renew(1, at(b, 1001)).result.is_err());
     assert_eq!(t.counters().renewed, 0);
-    let again = t.acquire(2, "gpu0", "w1", "", secs(1), at(b, 1001));
+    let again = t.acquire(req(2, "gpu0", "w1", "", secs(1)), at(b, 1001));
     assert!(again.result.is_ok());
     // The old id is not reusable while its tombstone lives.
-    let dup = t.acquire(1, "gpu1", "w1", "", secs(1), at(b, 1001));
+    let dup = t.acquire(req(1, "gpu1", "w1", "", secs(1)), at(b, 1001));
     assert_eq!(dup.result, Err(TtlError::DuplicateId(1)));
 }
 
@@ -126,7 +139,7 @@ fn renew_after_expiry_is_refused() {
 fn revoke_is_revoked_with_counter() {
     let b = Instant::now();
     let mut t = table();
-    t.acquire(1, "gpu0", "w1", "", secs(10), at(b, 0));
+    t.acquire(req(1, "gpu0", "w1", "", secs(10)), at(b, 0));
     let e = t
         .revoke(1, "admin", "wrong CUDA", at(b, 100))
         .result
@@ -164,9 +177,9 @@ fn revoke_is_revoked_with_counter() {
 fn held_by_lists_the_holders_leases() {
     let b = Instant::now();
     let mut t = table();
-    t.acquire(1, "gpu0", "w1", "", secs(5), at(b, 0));
-    t.acquire(2, "gpu1", "w2", "", secs(5), at(b, 0));
-    t.acquire(3, "gpu2", "w1", "", secs(5), at(b, 0));
+    t.acquire(req(1, "gpu0", "w1", "", secs(5)), at(b, 0));
+    t.acquire(req(2, "gpu1", "w2", "", secs(5)), at(b, 0));
+    t.acquire(req(3, "gpu2", "w1", "", secs(5)), at(b, 0));
     assert_eq!(t.held_by("w1"), vec![1, 3]);
     assert_eq!(t.held_by("w2"), vec![2]);
     assert!(t.held_by("w").is_empty());
@@ -180,8 +193,8 @@ fn held_by_lists_the_holders_leases() {
 fn active_count_drops_on_expiry() {
     let b = Instant::now();
     let mut t = table();
-    t.acquire(1, "gpu0", "w1", "", secs(1), at(b, 0));
-    t.acquire(2, "gpu1", "w2", "", secs(5), at(b, 0));
+    t.acquire(req(1, "gpu0", "w1", "", secs(1)), at(b, 0));
+    t.acquire(req(2, "gpu1", "w2", "", secs(5)), at(b, 0));
     assert_eq!(t.active_count(), 2);
     t.tick(at(b, 1000));
     assert_eq!(t.active_count(), 1);
@@ -194,8 +207,10 @@ fn active_count_drops_on_expiry() {
 fn second_acquire_is_busy() {
     let b = Instant::now();
     let mut t = table();
-    t.acquire(1, "gpu0", "w1", "", secs(5), at(b, 0));
-    let r = t.acquire(2, "gpu0", "w2", "", secs(5), at(b, 1)).result;
+    t.acquire(req(1, "gpu0", "w1", "", secs(5)), at(b, 0));
+    let r = t
+        .acquire(req(2, "gpu0", "w2", "", secs(5)), at(b, 1))
+        .result;
     assert_eq!(
         r,
         Err(TtlError::Busy {
@@ -207,8 +222,11 @@ fn second_acquire_is_busy() {
     assert_eq!(t.state(2), LeaseState::Unknown);
     assert_eq!(t.counters().acquired, 1);
     assert_eq!(
-        t.acquire(3, "gpu1", "w", "", Duration::from_micros(999), at(b, 1))
-            .result,
+        t.acquire(
+            req(3, "gpu1", "w", "", Duration::from_micros(999)),
+            at(b, 1)
+        )
+        .result,
         Err(TtlError::ZeroTtl)
     );
 }
@@ -219,9 +237,9 @@ fn second_acquire_is_busy() {
 fn ended_states_stay_distinguishable() {
     let b = Instant::now();
     let mut t = table();
-    t.acquire(1, "a", "w", "", secs(1), at(b, 0));
-    t.acquire(2, "b", "w", "", secs(10), at(b, 0));
-    t.acquire(3, "c", "w", "", secs(10), at(b, 0));
+    t.acquire(req(1, "a", "w", "", secs(1)), at(b, 0));
+    t.acquire(req(2, "b", "w", "", secs(10)), at(b, 0));
+    t.acquire(req(3, "c", "w", "", secs(10)), at(b, 0));
     t.revoke(2, "ops", "drain", at(b, 10));
     t.release(3, at(b, 20));
     t.tick(at(b, 5000));
@@ -247,7 +265,7 @@ fn tombstones_are_bounded() {
         tombstone_max_age: secs(60),
     });
     for id in 1..=3 {
-        t.acquire(id, &format!("r{id}"), "w", "", secs(10), at(b, id));
+        t.acquire(req(id, &format!("r{id}"), "w", "", secs(10)), at(b, id));
         t.release(id, at(b, 10 + id));
     }
     assert_eq!(t.tombstone_count(), 2);
@@ -271,9 +289,9 @@ fn tombstones_are_bounded() {
 fn restore_keeps_deadlines() {
     let b = Instant::now();
     let mut t = table();
-    t.acquire(1, "gpu0", "w1", "tok", secs(10), at(b, 0));
-    t.acquire(2, "gpu1", "w2", "", secs(3), at(b, 0));
-    t.acquire(3, "gpu2", "w3", "", secs(10), at(b, 0));
+    t.acquire(req(1, "gpu0", "w1", "tok", secs(10)), at(b, 0));
+    t.acquire(req(2, "gpu1", "w2", "", secs(3)), at(b, 0));
+    t.acquire(req(3, "gpu2", "w3", "", secs(10)), at(b, 0));
     t.revoke(3, "ops", "x", at(b, 100));
     let rec = t.snapshot();
     let json = serde_json::to_string(&rec).unwrap();
@@ -294,6 +312,8 @@ fn restore_keeps_deadlines() {
     assert_eq!(info.deadline, b2 + secs(6), "no time gained, none lost");
     assert_eq!(info.expires_at_unix_ms, WALL0 + 10_000);
     assert_eq!(t2.token(1), Some("tok"));
+    assert_eq!(t2.get(1).unwrap().epoch, 1);
+    assert_eq!(t2.tombstone(3).unwrap().epoch, 3);
     let wall2 = |ms: u64| Now {
         mono: b2 + Duration::from_millis(ms - 4000),
         unix_ms: WALL0 + ms,
@@ -309,7 +329,7 @@ fn restore_keeps_deadlines() {
 fn restore_caps_remaining_at_the_ttl() {
     let b = Instant::now();
     let mut t = table();
-    t.acquire(1, "gpu0", "w1", "", secs(10), at(b, 0));
+    t.acquire(req(1, "gpu0", "w1", "", secs(10)), at(b, 0));
     let now2 = Now {
         mono: b,
         unix_ms: WALL0 - 3_600_000,
@@ -323,7 +343,7 @@ fn restore_caps_remaining_at_the_ttl() {
 fn restore_refuses_inconsistent_records() {
     let b = Instant::now();
     let mut t = table();
-    t.acquire(1, "gpu0", "w1", "", secs(10), at(b, 0));
+    t.acquire(req(1, "gpu0", "w1", "", secs(10)), at(b, 0));
     let mut rec = t.snapshot();
     let mut dup = rec.leases[0].clone();
     dup.id = 2;
@@ -416,7 +436,7 @@ proptest! {
                     next_id += 1;
                     let (res, holder) = (format!("r{res}"), format!("h{holder}"));
                     let busy = model.values().any(|m| matches!(m, M::Held { res: r, .. } if *r == res));
-                    let out = t.acquire(next_id, &res, &holder, "", Duration::from_millis(ttl_ms), now);
+                    let out = t.acquire(req(next_id, &res, &holder, "", Duration::from_millis(ttl_ms)), now);
                     prop_assert_eq!(out.result.is_ok(), !busy);
                     if !busy {
                         model.insert(next_id, M::Held { res, holder, deadline_ms: now_ms + ttl_ms, ttl_ms });
