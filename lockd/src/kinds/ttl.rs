@@ -2,11 +2,14 @@
 //!
 //! Semantics (issue 11 point 1, seed `000_8e68c6fca64f2b10`):
 //!
-//! * **Exclusive per resource.** The seed's own manager never checks conflicts (two holders
-//!   may "hold" the same resource), but every use it names (one GPU to one worker, a
-//!   Chubby-style lock) wants one holder per resource, so [`TtlTable::acquire`] refuses a
-//!   resource that already has a live TTL lease ([`TtlError::Busy`]). Queueing is the core's
-//!   business (it retries a waiter when an [`Ended`] frees the resource).
+//! * **Exclusive per resource** (by default). The seed's own manager never checks conflicts
+//!   (two holders may "hold" the same resource), but every use it names (one GPU to one
+//!   worker, a Chubby-style lock) wants one holder per resource, so [`TtlTable::acquire`]
+//!   refuses a resource that already has a live TTL lease ([`TtlError::Busy`]). Queueing is
+//!   the core's business (it retries a waiter when an [`Ended`] frees the resource). With
+//!   [`TtlConfig::exclusive_per_resource`] off, the table tracks lifetimes only: the core
+//!   uses that for short, background-renewed shared/exclusive leases (seed 002), whose
+//!   admission [`crate::kinds::shared`] decides.
 //! * **States.** A lease id is [`LeaseState::Held`] from acquire until its end; it then is
 //!   [`LeaseState::Expired`] (not renewed before its deadline), [`LeaseState::Revoked`]
 //!   (ended by an authority, with who and why) or [`LeaseState::Released`] (its holder gave it
@@ -50,9 +53,14 @@ use crate::core::Now;
 /// Identifies one lease; allocated by the core, never reused.
 pub type LeaseId = u64;
 
-/// Bounds of the tombstone set.
+/// Table settings: exclusivity and the bounds of the tombstone set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TtlConfig {
+    /// `true` (the default, TTL leases as a lock): at most one live lease per resource.
+    /// `false`: the table only tracks lifetimes (the seed's own manager never checks
+    /// conflicts); the core uses such a table for the TTLs of shared/exclusive leases, whose
+    /// admission is [`crate::kinds::shared`]'s.
+    pub exclusive_per_resource: bool,
     /// At most this many ended leases are remembered (oldest forgotten first).
     pub max_tombstones: usize,
     /// An ended lease is forgotten this long after its end.
@@ -62,6 +70,7 @@ pub struct TtlConfig {
 impl Default for TtlConfig {
     fn default() -> Self {
         TtlConfig {
+            exclusive_per_resource: true,
             max_tombstones: 10_000,
             tombstone_max_age: Duration::from_secs(3600),
         }
@@ -350,7 +359,7 @@ struct Lease {
 pub struct TtlTable {
     cfg: TtlConfig,
     leases: BTreeMap<LeaseId, Lease>,
-    by_resource: BTreeMap<String, LeaseId>,
+    by_resource: BTreeSet<(String, LeaseId)>,
     by_holder: BTreeSet<(String, LeaseId)>,
     deadlines: BTreeSet<(Instant, LeaseId)>,
     tombstones: BTreeMap<LeaseId, (Ended, Instant)>,
@@ -369,7 +378,7 @@ impl TtlTable {
         TtlTable {
             cfg,
             leases: BTreeMap::new(),
-            by_resource: BTreeMap::new(),
+            by_resource: BTreeSet::new(),
             by_holder: BTreeSet::new(),
             deadlines: BTreeSet::new(),
             tombstones: BTreeMap::new(),
@@ -402,7 +411,10 @@ impl TtlTable {
         if self.leases.contains_key(&id) || self.tombstones.contains_key(&id) {
             return Err(TtlError::DuplicateId(id));
         }
-        if let Some(&lease) = self.by_resource.get(&resource) {
+        if let Some(lease) = self
+            .holder_of(&resource)
+            .filter(|_| self.cfg.exclusive_per_resource)
+        {
             return Err(TtlError::Busy {
                 resource,
                 holder: self.leases[&lease].holder.clone(),
@@ -427,7 +439,7 @@ impl TtlTable {
     }
 
     fn insert(&mut self, id: LeaseId, lease: Lease) {
-        self.by_resource.insert(lease.resource.clone(), id);
+        self.by_resource.insert((lease.resource.clone(), id));
         self.by_holder.insert((lease.holder.clone(), id));
         self.deadlines.insert((lease.deadline, id));
         self.leases.insert(id, lease);
@@ -480,7 +492,7 @@ impl TtlTable {
         let Some(l) = self.leases.remove(&id) else {
             return Err(self.not_live(id));
         };
-        self.by_resource.remove(&l.resource);
+        self.by_resource.remove(&(l.resource.clone(), id));
         self.by_holder.remove(&(l.holder.clone(), id));
         self.deadlines.remove(&(l.deadline, id));
         match reason {
@@ -582,9 +594,16 @@ impl TtlTable {
         self.leases.get(&id).map(|l| l.token.as_str())
     }
 
-    /// The live lease on `resource`, if any.
+    /// The live lease on `resource` (the smallest id if the table is not exclusive).
     pub fn holder_of(&self, resource: &str) -> Option<LeaseId> {
-        self.by_resource.get(resource).copied()
+        self.leases_on(resource).next()
+    }
+
+    /// The live leases on `resource`, by id.
+    pub fn leases_on(&self, resource: &str) -> impl Iterator<Item = LeaseId> + '_ {
+        self.by_resource
+            .range((resource.to_string(), 0)..=(resource.to_string(), LeaseId::MAX))
+            .map(|(_, id)| *id)
     }
 
     /// The live leases of `holder`, by id.
@@ -690,7 +709,10 @@ impl TtlTable {
             if t.leases.contains_key(&r.id) || t.tombstones.contains_key(&r.id) {
                 return Err(RestoreError(format!("lease id {} twice", r.id)));
             }
-            if let Some(other) = t.by_resource.get(&r.resource) {
+            if let Some(other) = t
+                .holder_of(&r.resource)
+                .filter(|_| cfg.exclusive_per_resource)
+            {
                 return Err(RestoreError(format!(
                     "resource {:?} held by leases {other} and {}",
                     r.resource, r.id

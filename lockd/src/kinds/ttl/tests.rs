@@ -231,6 +231,23 @@ fn second_acquire_is_busy() {
     );
 }
 
+/// With exclusivity off the table tracks lifetimes only: several leases on one resource.
+#[test]
+fn non_exclusive_table_tracks_lifetimes_only() {
+    let b = Instant::now();
+    let mut t = TtlTable::new(TtlConfig {
+        exclusive_per_resource: false,
+        ..TtlConfig::default()
+    });
+    t.acquire(req(1, "weights", "r1", "", secs(1)), at(b, 0));
+    t.acquire(req(2, "weights", "r2", "", secs(2)), at(b, 0));
+    assert_eq!(t.leases_on("weights").collect::<Vec<_>>(), vec![1, 2]);
+    assert_eq!(t.tick(at(b, 1000)).len(), 1);
+    assert_eq!(t.leases_on("weights").collect::<Vec<_>>(), vec![2]);
+    let (t2, _) = TtlTable::restore(t.cfg, t.snapshot(), at(b, 1000)).unwrap();
+    assert_eq!(t2.holder_of("weights"), Some(2));
+}
+
 /// Revoked, expired and released stay distinguishable after the lease is gone, and from an
 /// id that never existed; so are their reasons in the tombstones.
 #[test]
@@ -263,6 +280,7 @@ fn tombstones_are_bounded() {
     let mut t = TtlTable::new(TtlConfig {
         max_tombstones: 2,
         tombstone_max_age: secs(60),
+        ..TtlConfig::default()
     });
     for id in 1..=3 {
         t.acquire(req(id, &format!("r{id}"), "w", "", secs(10)), at(b, id));
@@ -401,9 +419,16 @@ proptest! {
     /// up, no renew ever succeeds after an end, and a restart changes nothing observable
     /// (the restart here keeps the wall/mono offset: the clock assumption holds).
     #[test]
-    fn random_histories_stay_consistent(ops in proptest::collection::vec(op(), 1..60)) {
+    fn random_histories_stay_consistent(
+        ops in proptest::collection::vec(op(), 1..60),
+        exclusive in any::<bool>(),
+    ) {
         let b = Instant::now();
-        let mut t = TtlTable::new(TtlConfig { max_tombstones: 1000, tombstone_max_age: secs(3600) });
+        let mut t = TtlTable::new(TtlConfig {
+            exclusive_per_resource: exclusive,
+            max_tombstones: 1000,
+            tombstone_max_age: secs(3600),
+        });
         let mut now_ms = 0u64;
         let mut next_id: LeaseId = 0;
         let mut model: BTreeMap<LeaseId, M> = BTreeMap::new();
@@ -435,7 +460,7 @@ proptest! {
                 Op::Acquire { res, holder, ttl_ms } => {
                     next_id += 1;
                     let (res, holder) = (format!("r{res}"), format!("h{holder}"));
-                    let busy = model.values().any(|m| matches!(m, M::Held { res: r, .. } if *r == res));
+                    let busy = exclusive && model.values().any(|m| matches!(m, M::Held { res: r, .. } if *r == res));
                     let out = t.acquire(req(next_id, &res, &holder, "", Duration::from_millis(ttl_ms)), now);
                     prop_assert_eq!(out.result.is_ok(), !busy);
                     if !busy {
@@ -491,12 +516,18 @@ proptest! {
                         prop_assert_eq!(&info.holder, holder);
                         prop_assert_eq!(info.deadline, b + Duration::from_millis(*deadline_ms));
                         prop_assert!(t.held_by(holder).contains(id));
-                        prop_assert_eq!(t.holder_of(res), Some(*id));
+                        prop_assert!(t.leases_on(res).any(|l| l == *id));
                     }
                     M::Ended(st) => prop_assert_eq!(&t.state(*id), st),
                 }
             }
             let live = model.values().filter(|m| matches!(m, M::Held { .. })).count();
+            for r in 0..3 {
+                let res = format!("r{r}");
+                let n = model.values().filter(|m| matches!(m, M::Held { res: x, .. } if *x == res)).count();
+                prop_assert_eq!(t.leases_on(&res).count(), n);
+                prop_assert!(!exclusive || n <= 1, "two live leases on {}", res);
+            }
             prop_assert_eq!(t.active_count(), live);
             let c = t.counters();
             prop_assert_eq!(c.acquired, c.released + c.expired + c.revoked + live as u64);
