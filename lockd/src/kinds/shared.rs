@@ -51,6 +51,10 @@ use serde::{Deserialize, Serialize};
 /// Identifies one lease or request; allocated by the core, never reused.
 pub type LeaseId = u64;
 
+/// Versions and epochs stay below this (restore refuses more, [`SharedTable::raise_epoch`]
+/// clamps): counting one by one never gets there, and `+ 1` can never overflow.
+pub const MAX_COUNTER: u64 = u64::MAX / 2;
+
 /// The access a request asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -422,7 +426,7 @@ impl SharedTable {
     /// resource name, e.g. with the epoch of a state file migrated from version 1.
     pub fn raise_epoch(&mut self, resource: &str, floor: u64) {
         let res = self.resources.entry(resource.to_string()).or_default();
-        res.epoch = res.epoch.max(floor);
+        res.epoch = res.epoch.max(floor.min(MAX_COUNTER));
     }
 
     /// The resource's holders, by id, with their mode.
@@ -485,6 +489,11 @@ impl SharedTable {
     pub fn restore(records: SharedRecords) -> Result<SharedTable, RestoreError> {
         let mut t = SharedTable::new();
         for (name, r) in records.resources {
+            if r.version > MAX_COUNTER || r.epoch > MAX_COUNTER {
+                return Err(RestoreError(format!(
+                    "{name:?}: version or epoch out of range"
+                )));
+            }
             let mut res = Res {
                 version: r.version,
                 epoch: r.epoch,

@@ -53,6 +53,10 @@ use crate::core::Now;
 /// Identifies one lease; allocated by the core, never reused.
 pub type LeaseId = u64;
 
+/// The longest TTL the table accepts (10 years): deadlines never overflow `Instant`. The core's
+/// own `--max-lease-time` is normally far lower.
+pub const MAX_TTL: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
 /// Table settings: exclusivity and the bounds of the tombstone set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TtlConfig {
@@ -197,6 +201,9 @@ pub enum TtlError {
     /// A TTL under one millisecond.
     #[error("a TTL must be at least 1 ms")]
     ZeroTtl,
+    /// A TTL over [`MAX_TTL`].
+    #[error("a TTL must be at most {} s", MAX_TTL.as_secs())]
+    TtlTooLong,
     /// The lease has ended: renew/release/revoke refused, re-acquire from scratch.
     #[error("lease {id} has ended ({state}): re-acquire from scratch")]
     Ended {
@@ -408,6 +415,9 @@ impl TtlTable {
         if ms == 0 {
             return Err(TtlError::ZeroTtl);
         }
+        if ttl > MAX_TTL {
+            return Err(TtlError::TtlTooLong);
+        }
         if self.leases.contains_key(&id) || self.tombstones.contains_key(&id) {
             return Err(TtlError::DuplicateId(id));
         }
@@ -525,7 +535,7 @@ impl TtlTable {
     fn prune_tombstones(&mut self, now: Instant) {
         while let Some(&id) = self.tomb_order.front() {
             let at = self.tombstones[&id].1;
-            if at + self.cfg.tombstone_max_age > now {
+            if now.saturating_duration_since(at) < self.cfg.tombstone_max_age {
                 break;
             }
             self.tomb_order.pop_front();
@@ -718,8 +728,11 @@ impl TtlTable {
                     r.resource, r.id
                 )));
             }
-            if r.ttl_ms == 0 {
-                return Err(RestoreError(format!("lease {} has a zero TTL", r.id)));
+            if r.ttl_ms == 0 || r.ttl_ms > ttl_ms(MAX_TTL) {
+                return Err(RestoreError(format!(
+                    "lease {} has a TTL out of range",
+                    r.id
+                )));
             }
             let remaining = r
                 .expires_at_unix_ms
@@ -732,7 +745,7 @@ impl TtlTable {
                 epoch: r.epoch,
                 ttl: Duration::from_millis(r.ttl_ms),
                 deadline: now.mono + Duration::from_millis(remaining),
-                expires_at_unix_ms: now.unix_ms + remaining,
+                expires_at_unix_ms: now.unix_ms.saturating_add(remaining),
                 granted_at_unix_ms: r.granted_at_unix_ms,
                 renewals: r.renewals,
             };

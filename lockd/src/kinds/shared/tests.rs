@@ -266,6 +266,10 @@ fn restore_refuses_inconsistent_records() {
     let r = rec.resources.get_mut("w").unwrap();
     r.holders.truncate(1);
     r.holders[0].epoch = 7;
+    assert!(SharedTable::restore(rec.clone()).is_err());
+    let r = rec.resources.get_mut("w").unwrap();
+    r.holders.clear();
+    r.epoch = u64::MAX;
     assert!(SharedTable::restore(rec).is_err());
 }
 

@@ -229,6 +229,11 @@ fn second_acquire_is_busy() {
         .result,
         Err(TtlError::ZeroTtl)
     );
+    assert_eq!(
+        t.acquire(req(4, "gpu1", "w", "", Duration::MAX), at(b, 1))
+            .result,
+        Err(TtlError::TtlTooLong)
+    );
 }
 
 /// With exclusivity off the table tracks lifetimes only: several leases on one resource.
@@ -369,6 +374,9 @@ fn restore_refuses_inconsistent_records() {
     assert!(TtlTable::restore(TtlConfig::default(), rec.clone(), at(b, 0)).is_err());
     rec.leases[1].resource = "gpu1".into();
     rec.leases[1].ttl_ms = 0;
+    assert!(TtlTable::restore(TtlConfig::default(), rec.clone(), at(b, 0)).is_err());
+    rec.leases[1].ttl_ms = u64::MAX;
+    rec.leases[1].expires_at_unix_ms = u64::MAX;
     assert!(TtlTable::restore(TtlConfig::default(), rec, at(b, 0)).is_err());
 }
 
