@@ -8,6 +8,7 @@
 
 pub mod client;
 pub mod core;
+pub mod kinds;
 pub mod line;
 pub mod metrics;
 pub mod persist;
