@@ -722,6 +722,8 @@ enum Op {
     Release(usize),
     BadToken(usize),
     Advance(u64),
+    /// lockd restarts: records -> JSON -> restore at the same instant (waiters are lost).
+    Restart,
 }
 
 fn arb_op() -> impl Strategy<Value = Op> {
@@ -749,6 +751,7 @@ fn arb_op() -> impl Strategy<Value = Op> {
         1 => (0..8usize).prop_map(Op::Release),
         1 => (0..8usize).prop_map(Op::BadToken),
         1 => (0..40_000u64).prop_map(Op::Advance),
+        1 => Just(Op::Restart),
     ]
 }
 
@@ -900,6 +903,27 @@ fn run_history(ops: Vec<Op>) {
                 }
             }
             Op::Advance(ms) => t += ms,
+            Op::Restart => {
+                let json = serde_json::to_string(&m.records()).unwrap();
+                let recs: QuantityRecords = serde_json::from_str(&json).unwrap();
+                let (m2, ev) = QuantityManager::restore(cfg(), recs, now).unwrap();
+                assert_eq!(
+                    m2.leases(),
+                    m.leases(),
+                    "leases survive a restart unchanged"
+                );
+                assert_eq!(m2.offers(), m.offers());
+                let refused: Vec<Event> = m
+                    .leases()
+                    .into_iter()
+                    .filter_map(|v| {
+                        v.renewal_refused
+                            .map(|offer| Event::RenewalRefused { id: v.id, offer })
+                    })
+                    .collect();
+                assert_eq!(ev, refused, "the same non-renewal choices");
+                m = m2;
+            }
         }
         for e in &events {
             if let Event::Granted(v) = e {
