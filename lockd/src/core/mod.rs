@@ -27,7 +27,7 @@ mod table;
 #[cfg(test)]
 mod testkit;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use rand::{rngs::StdRng, RngCore, SeedableRng};
@@ -136,6 +136,8 @@ pub struct Core {
     rng: StdRng,
     /// Connected sessions (and sessions alive through their anchors).
     sessions: BTreeMap<SessionId, Session>,
+    /// Sessions that watch (so that a notice costs O(watchers), not O(sessions)).
+    watchers: BTreeSet<SessionId>,
     /// The lease table.
     table: Table,
     /// Tombstones of ended leases (persisted; none are recorded yet, kept as loaded).
@@ -174,6 +176,7 @@ impl Core {
             cfg,
             rng: StdRng::seed_from_u64(seed),
             sessions: BTreeMap::new(),
+            watchers: BTreeSet::new(),
             table,
             tombstones: state.tombstones,
             counters: state.counters,
@@ -282,12 +285,7 @@ impl Core {
     }
 
     fn notice(&mut self, notice: Notice, handoff_from: Option<Instant>) {
-        let watchers: Vec<SessionId> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| s.watching)
-            .map(|(id, _)| *id)
-            .collect();
+        let watchers: Vec<SessionId> = self.watchers.iter().copied().collect();
         for w in watchers {
             self.send(w, Event::Notice(notice.clone()));
         }

@@ -26,6 +26,7 @@ pub(super) struct Session {
 impl Core {
     /// A connection was accepted: a new session, greeted with `hello`.
     pub(super) fn connect(&mut self, session: SessionId, peer: PeerInfo) {
+        self.watchers.remove(&session);
         self.sessions.insert(
             session,
             Session {
@@ -43,6 +44,10 @@ impl Core {
                 server: "lockd".into(),
                 version: crate::proto::PROTOCOL_VERSION,
                 session,
+                features: crate::proto::FEATURES
+                    .iter()
+                    .map(|f| f.to_string())
+                    .collect(),
             },
         );
     }
@@ -63,6 +68,7 @@ impl Core {
     pub(super) fn watch(&mut self, s: SessionId) {
         if let Some(sess) = self.sessions.get_mut(&s) {
             sess.watching = true;
+            self.watchers.insert(s);
         }
         self.send(s, Event::Watching {});
     }
@@ -76,6 +82,7 @@ impl Core {
             // waits for (nobody could be told of a grant) and stop its notices.
             sess.connected = false;
             sess.watching = false;
+            self.watchers.remove(&s);
             let waits = std::mem::take(&mut sess.waits);
             for r in &waits {
                 if let Some(res) = self.table.resources.get_mut(r) {
@@ -102,6 +109,7 @@ impl Core {
         let Some(sess) = self.sessions.remove(&s) else {
             return;
         };
+        self.watchers.remove(&s);
         for r in &sess.waits {
             if let Some(res) = self.table.resources.get_mut(r) {
                 res.waiters.remove_session(s);

@@ -108,8 +108,9 @@ impl H {
                 session: s,
                 event: Event::Hello {
                     server: "lockd".into(),
-                    version: 1,
-                    session: s
+                    version: proto::PROTOCOL_VERSION,
+                    session: s,
+                    features: vec![],
                 }
             }]
         );
