@@ -11,6 +11,7 @@ use super::{ct_eq, Core, Now, SessionId};
 use crate::proto::{ErrorCode, Event, Notice, NoticeKind};
 
 impl Core {
+    /// `acquire`: granted at once if free and nobody waits, else queued (or `busy`).
     pub(super) fn acquire(
         &mut self,
         now: Now,
@@ -50,6 +51,7 @@ impl Core {
         }
     }
 
+    /// Grant `resource` to session `s`: a new epoch, lease id and token; persisted before sent.
     pub(super) fn grant(
         &mut self,
         now: Now,
@@ -159,6 +161,7 @@ impl Core {
         Some(l.epoch)
     }
 
+    /// `release`: end the held lease (and grant the next waiter) or withdraw a queued acquire.
     pub(super) fn release(&mut self, now: Now, s: SessionId, resource: String) {
         if self.holder_session(&resource) == Some(s) {
             if let Some(epoch) = self.end_lease(now, &resource) {
@@ -194,6 +197,7 @@ impl Core {
         }
     }
 
+    /// `reclaim`: hand a lease waiting in its reconnect window back to its holder (same epoch).
     pub(super) fn reclaim(
         &mut self,
         now: Now,
@@ -303,6 +307,7 @@ impl Core {
         );
     }
 
+    /// `revoke`: mark the lease revoked and tell its holder; it ends only when its session does.
     pub(super) fn revoke(
         &mut self,
         now: Now,

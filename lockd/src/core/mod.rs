@@ -445,4 +445,34 @@ mod tests {
             .collect();
         assert_eq!(kinds, vec![NoticeKind::Released]);
     }
+
+    #[test]
+    fn leases_are_found_by_id_and_by_holder_name_across_a_restart() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        h.connect(2, "unix");
+        h.req(1, acq("x", "a", true));
+        h.req(1, acq("y", "a", true));
+        h.req(2, acq("z", "b", true));
+        assert_eq!(h.core.held_by("a"), vec!["x".to_string(), "y".to_string()]);
+        assert_eq!(h.core.held_by("b"), vec!["z".to_string()]);
+        assert!(h.core.held_by("nobody").is_empty());
+        assert_eq!(h.core.lease(2), Some(("y".to_string(), 1)));
+        let st = h.persisted.clone().unwrap();
+        assert_eq!(st.last_lease_id, 3);
+        assert_eq!(st.resources["z"].holder.as_ref().unwrap().lease_id, 3);
+        // After a restart the leases wait in their window under the same ids and names.
+        let mut h = H::with_state(st, None);
+        assert_eq!(h.core.lease(3), Some(("z".to_string(), 1)));
+        assert_eq!(h.core.held_by("a").len(), 2);
+        h.ms = W;
+        h.step(Input::Tick);
+        assert_eq!(h.core.lease(3), None);
+        assert!(h.core.held_by("a").is_empty());
+        // Ids are never reused.
+        h.connect(3, "unix");
+        h.req(3, acq("x", "c", true));
+        assert_eq!(h.core.lease(4), Some(("x".to_string(), 2)));
+        assert_eq!(h.core.lease(1), None);
+    }
 }

@@ -73,6 +73,7 @@ impl Core {
         self.send(s, Event::Watching {});
     }
 
+    /// The connection closed: an anchored session lives on without it; others end.
     pub(super) fn disconnect(&mut self, now: Now, s: SessionId) {
         let Some(sess) = self.sessions.get_mut(&s) else {
             return;
@@ -94,6 +95,8 @@ impl Core {
         self.end_session(now, s);
     }
 
+    /// An anchor reached end-of-file: the session ends when it was its last one and the
+    /// connection is closed.
     pub(super) fn anchor_closed(&mut self, now: Now, s: SessionId) {
         let Some(sess) = self.sessions.get_mut(&s) else {
             return;
