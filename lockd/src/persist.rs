@@ -17,7 +17,7 @@ use nix::errno::Errno;
 use nix::fcntl::{renameat2, AtFlags, Flock, FlockArg, RenameFlags};
 use nix::sys::stat::fstatat;
 
-use crate::core::{PersistedState, STATE_VERSION};
+use crate::core::{decode_state, PersistedState, STATE_VERSION};
 
 /// Why the state could not be opened or written.
 #[derive(Debug, thiserror::Error)]
@@ -327,32 +327,20 @@ impl Drop for StateFile {
     }
 }
 
-/// Parse and validate state file bytes.
+/// Parse and validate state file bytes of any version this lockd reads; an older version
+/// is migrated in memory (the next write stores the current version) and logged.
 pub fn parse_state(path: &Path, bytes: &[u8]) -> Result<PersistedState, PersistError> {
-    let corrupt = |reason: String| PersistError::Corrupt {
+    let (st, from) = decode_state(bytes).map_err(|reason| PersistError::Corrupt {
         path: path.to_path_buf(),
         reason,
-    };
-    if bytes.iter().all(|b| b.is_ascii_whitespace()) {
-        return Err(corrupt("empty file".into()));
-    }
-    let st: PersistedState =
-        serde_json::from_slice(bytes).map_err(|e| corrupt(format!("not a lockd state: {e}")))?;
-    if st.version != STATE_VERSION {
-        return Err(corrupt(format!(
-            "version {} (this lockd reads {STATE_VERSION})",
-            st.version
-        )));
-    }
-    for (name, r) in &st.resources {
-        if let Some(h) = &r.holder {
-            if h.epoch > r.epoch || h.epoch == 0 {
-                return Err(corrupt(format!(
-                    "resource {name:?}: holder epoch {} inconsistent with epoch {}",
-                    h.epoch, r.epoch
-                )));
-            }
-        }
+    })?;
+    if from != STATE_VERSION {
+        tracing::info!(
+            path = %path.display(),
+            from,
+            to = STATE_VERSION,
+            "state file migrated in memory; the next write stores the new version"
+        );
     }
     Ok(st)
 }
@@ -368,7 +356,10 @@ mod tests {
         let p = d.path().join("state.json");
         let (mut sf, st) = StateFile::open(&p).unwrap();
         assert_eq!(st, PersistedState::default());
-        let mut st2 = PersistedState::default();
+        let mut st2 = PersistedState {
+            last_lease_id: 1,
+            ..PersistedState::default()
+        };
         st2.resources.insert(
             "engine".into(),
             PersistedResource {
@@ -380,7 +371,12 @@ mod tests {
                     granted_at_unix_ms: 1,
                     peer: None,
                     revoked: false,
+                    lease_id: 1,
+                    kind: Default::default(),
+                    mode: Default::default(),
+                    expires_at_unix_ms: None,
                 }),
+                ..Default::default()
             },
         );
         sf.write(&st2).unwrap();
@@ -401,6 +397,7 @@ mod tests {
             PersistedResource {
                 epoch,
                 holder: None,
+                ..Default::default()
             },
         );
         st

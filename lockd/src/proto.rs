@@ -6,8 +6,15 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Protocol version announced in the `hello` event.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Protocol version announced in the `hello` event. Version 2 is version 1 plus optional
+/// extensions, each announced in `hello`'s `features` ([`FEATURES`]); every version-1
+/// request and event is unchanged, so version-1 clients work as before.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// Protocol-2 extensions this lockd serves, announced in `hello` (`features`). A client uses
+/// an extension only when its name is listed: the lease kinds to come are `ttl`, `shared`
+/// and `quantity` (see PROTOCOL.md, "Version 2"). None is served yet.
+pub const FEATURES: &[&str] = &[];
 /// Default bound on one line (request or event), newline excluded.
 pub const DEFAULT_MAX_LINE: usize = 64 * 1024;
 /// Longest accepted resource or holder name, in bytes.
@@ -421,6 +428,9 @@ pub enum Event {
         version: u32,
         /// This connection's session id.
         session: u64,
+        /// Protocol-2 extensions served ([`FEATURES`]); omitted on the wire when empty.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        features: Vec<String>,
     },
     /// The acquire is queued; `position` 1 is next in line.
     Queued {
@@ -635,6 +645,13 @@ mod tests {
                 server: "lockd".into(),
                 version: 1,
                 session: 3,
+                features: vec![],
+            },
+            Event::Hello {
+                server: "lockd".into(),
+                version: PROTOCOL_VERSION,
+                session: 3,
+                features: vec!["ttl".into()],
             },
             Event::Granted {
                 resource: "r".into(),
@@ -657,5 +674,89 @@ mod tests {
             assert!(line.ends_with('\n') && !line[..line.len() - 1].contains('\n'));
             assert_eq!(decode_event(line.as_bytes()).unwrap(), e);
         }
+    }
+
+    #[test]
+    fn hello_announces_version_2_and_version_1_events_are_byte_for_byte_unchanged() {
+        // Version 2 without extensions: only the version number differs from version 1.
+        let hello = Event::Hello {
+            server: "lockd".into(),
+            version: PROTOCOL_VERSION,
+            session: 7,
+            features: FEATURES.iter().map(|f| f.to_string()).collect(),
+        };
+        assert_eq!(PROTOCOL_VERSION, 2);
+        assert_eq!(
+            hello.encode(),
+            "{\"event\":\"hello\",\"server\":\"lockd\",\"version\":2,\"session\":7}\n"
+        );
+        // A version-1 hello (no `features`) still decodes.
+        assert!(matches!(
+            decode_event(br#"{"event":"hello","server":"lockd","version":1,"session":7}"#),
+            Ok(Event::Hello { version: 1, ref features, .. }) if features.is_empty()
+        ));
+        // The version-1 events, exactly as PROTOCOL.md shows them.
+        let golden: Vec<(Event, &str)> = vec![
+            (
+                Event::Granted {
+                    resource: "engine".into(),
+                    holder: "me".into(),
+                    epoch: 5,
+                    token: "3f0c".into(),
+                    reclaimed: false,
+                },
+                r#"{"event":"granted","resource":"engine","holder":"me","epoch":5,"token":"3f0c","reclaimed":false}"#,
+            ),
+            (
+                Event::Queued {
+                    resource: "engine".into(),
+                    position: 1,
+                },
+                r#"{"event":"queued","resource":"engine","position":1}"#,
+            ),
+            (
+                Event::Busy {
+                    resource: "engine".into(),
+                    holder: None,
+                },
+                r#"{"event":"busy","resource":"engine","holder":null}"#,
+            ),
+            (
+                Event::Released {
+                    resource: "engine".into(),
+                    epoch: 5,
+                },
+                r#"{"event":"released","resource":"engine","epoch":5}"#,
+            ),
+            (
+                Event::Revoked {
+                    resource: "engine".into(),
+                    epoch: 5,
+                    reason: "drain".into(),
+                },
+                r#"{"event":"revoked","resource":"engine","epoch":5,"reason":"drain"}"#,
+            ),
+            (Event::Pong {}, r#"{"event":"pong"}"#),
+            (
+                Event::error(ErrorCode::NotHolder, "x", Some("engine")),
+                r#"{"event":"error","code":"not_holder","message":"x","resource":"engine"}"#,
+            ),
+        ];
+        for (ev, line) in golden {
+            assert_eq!(ev.encode(), format!("{line}\n"));
+        }
+        // Version-1 requests decode as before.
+        assert_eq!(
+            decode_request(
+                br#"{"op":"acquire","resource":"engine","holder":"me"}"#,
+                DEFAULT_MAX_LINE
+            )
+            .unwrap(),
+            Request::Acquire {
+                resource: "engine".into(),
+                holder: "me".into(),
+                wait: true
+            }
+        );
     }
 }

@@ -34,4 +34,5 @@ mod restart_holder_healthy;
 mod restart_holder_hung;
 mod revoke;
 mod second_lockd_refuses;
+mod state_migration;
 mod status_watch_format;

@@ -1,0 +1,478 @@
+//! The pure lock state machine: sessions, resources, leases, epochs, reconnect windows.
+//!
+//! No I/O, no clocks, no randomness from outside: time comes in as [`Now`], tokens come
+//! from a seeded CSPRNG owned by the core, and persistence is an [`Output::Persist`] request
+//! that the driver completes (write + fsync) before feeding back [`Input::Persisted`].
+//! Every event produced while a persist is outstanding is held back in an ordered outbox
+//! until that persist is acknowledged, so no grant ever leaves lockd before it is durable.
+//!
+//! The core is split by concern, with one public entry point, [`Core::step`]:
+//! * this module: [`Core`], [`Input`]/[`Output`], request dispatch, and the outbox that holds
+//!   every event back until the state it depends on is durable;
+//! * `session`: connections, anchors, and what a closing connection ends;
+//! * `table`: the lease table (resources, holders, waiters, epochs; lookups by lease id and
+//!   holder name in O(log n)), and [`LeaseKind`] / [`LeaseMode`];
+//! * `exclusive`: the connection-bound exclusive lease (admission, grant, release, revoke,
+//!   reclaim, reconnect-window expiry). Each further lease kind (TTL, shared with versions,
+//!   quantity over offers) is one module next to it;
+//! * `records`: the persisted form ([`PersistedState`], version [`STATE_VERSION`]), and the
+//!   migration from older versions;
+//! * `status`: the `status` report and the figures metrics read.
+
+mod exclusive;
+mod records;
+mod session;
+mod status;
+mod table;
+#[cfg(test)]
+mod testkit;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use rand::{rngs::StdRng, RngCore, SeedableRng};
+
+use crate::proto::{Counters, ErrorCode, Event, Notice, PeerInfo, Request};
+
+pub use records::{
+    decode_state, PersistedLease, PersistedOffer, PersistedResource, PersistedState, Tombstone,
+    READABLE_STATE_VERSIONS, STATE_VERSION,
+};
+use session::Session;
+pub use table::{LeaseKind, LeaseMode};
+use table::{LeaseState, Table};
+
+/// Identifies one connection for the life of the lockd process.
+pub type SessionId = u64;
+
+/// The time of a step, both monotonic (for deadlines) and wall-clock (for reports).
+#[derive(Debug, Clone, Copy)]
+pub struct Now {
+    /// Monotonic instant: reconnect-window deadlines and handoff measurements.
+    pub mono: Instant,
+    /// Wall clock in ms since the Unix epoch: `granted_at` and notices, for humans.
+    pub unix_ms: u64,
+}
+
+/// Core configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// How long a persisted lease waits for its holder to reclaim it after a restart.
+    pub reconnect_window: Duration,
+    /// Token that TCP sessions must present to revoke; None = revoke over TCP refused.
+    pub admin_token: Option<String>,
+}
+
+/// Something that happened, fed to [`Core::step`].
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// A connection was accepted.
+    Connect {
+        /// Its new session id.
+        session: SessionId,
+        /// Who connected.
+        peer: PeerInfo,
+    },
+    /// A decoded request arrived on a session.
+    Request {
+        /// The sender.
+        session: SessionId,
+        /// The request.
+        req: Request,
+    },
+    /// The connection closed (EOF, error, or closed by lockd). A session with open anchors
+    /// lives on without its connection (its leases stay held, its queued acquires are
+    /// withdrawn) until its last anchor closes.
+    Disconnect {
+        /// The session whose connection closed.
+        session: SessionId,
+    },
+    /// One of the session's anchors (see [`Request::Anchor`]) reached end-of-file: every
+    /// process holding its other end has closed it (or died).
+    AnchorClosed {
+        /// The session the anchor was attached to.
+        session: SessionId,
+    },
+    /// Time passed (the driver calls this at [`Core::next_deadline`]).
+    Tick,
+    /// The driver durably wrote the state requested with this sequence number.
+    Persisted {
+        /// The acknowledged [`Output::Persist`] sequence number.
+        seq: u64,
+    },
+}
+
+/// Something the driver must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Output {
+    /// Write one event to a session.
+    Send {
+        /// Destination.
+        session: SessionId,
+        /// The event.
+        event: Event,
+    },
+    /// Durably write this state, then feed `Input::Persisted { seq }`.
+    Persist {
+        /// Sequence number to acknowledge.
+        seq: u64,
+        /// The full state to write.
+        state: PersistedState,
+    },
+    /// A lease change, for logs and metrics (watchers get their own `Send`s).
+    Notice {
+        /// What changed.
+        notice: Notice,
+        /// For grants that follow a holder's connection close: when it closed (handoff time).
+        handoff_from: Option<Instant>,
+    },
+}
+
+/// The state machine.
+pub struct Core {
+    /// Configuration.
+    cfg: Config,
+    /// Token source (seeded by the driver from the OS; tests seed it deterministically).
+    rng: StdRng,
+    /// Connected sessions (and sessions alive through their anchors).
+    sessions: BTreeMap<SessionId, Session>,
+    /// Sessions that watch (so that a notice costs O(watchers), not O(sessions)).
+    watchers: BTreeSet<SessionId>,
+    /// The lease table.
+    table: Table,
+    /// Tombstones of ended leases (persisted; none are recorded yet, kept as loaded).
+    tombstones: Vec<Tombstone>,
+    /// Counters (persisted).
+    counters: Counters,
+    /// Highest persist sequence number requested.
+    seq_requested: u64,
+    /// Highest persist sequence number acknowledged.
+    seq_done: u64,
+    /// Outputs waiting for a persist acknowledgement, tagged with the seq they wait for.
+    outbox: VecDeque<(u64, Output)>,
+    /// Outputs produced by the current step.
+    pending: Vec<Output>,
+    /// Whether the current step changed persisted state.
+    dirty: bool,
+}
+
+impl Core {
+    /// Build from the persisted state read at startup. Every persisted holder gets a
+    /// reconnect window starting `now`.
+    pub fn new(cfg: Config, state: PersistedState, now: Now, seed: u64) -> Core {
+        let mut table = Table::default();
+        table.last_lease_id = state.last_lease_id;
+        for (name, r) in state.resources {
+            let lease = match r.holder {
+                Some(l) => LeaseState::Reclaiming {
+                    lease: l,
+                    deadline: now.mono + cfg.reconnect_window,
+                },
+                None => LeaseState::Free,
+            };
+            table.load(name, r.epoch, r.version, lease);
+        }
+        Core {
+            cfg,
+            rng: StdRng::seed_from_u64(seed),
+            sessions: BTreeMap::new(),
+            watchers: BTreeSet::new(),
+            table,
+            tombstones: state.tombstones,
+            counters: state.counters,
+            seq_requested: 0,
+            seq_done: 0,
+            outbox: VecDeque::new(),
+            pending: Vec::new(),
+            dirty: false,
+        }
+    }
+
+    /// The earliest reconnect-window deadline, if any: call `step(Tick)` then.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.table.next_deadline()
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    /// The session holding `resource`, if a connected one does.
+    pub fn holder_session(&self, resource: &str) -> Option<SessionId> {
+        match self.table.resources.get(resource).map(|r| &r.lease) {
+            Some(LeaseState::Held(l)) => Some(l.session),
+            _ => None,
+        }
+    }
+
+    /// Last epoch granted for `resource` (0 if never).
+    pub fn epoch(&self, resource: &str) -> u64 {
+        self.table.resources.get(resource).map_or(0, |r| r.epoch)
+    }
+
+    /// Resources whose lease (held, or waiting to be reclaimed) is in this holder's name,
+    /// sorted (O(log n) to find).
+    pub fn held_by(&self, holder: &str) -> Vec<String> {
+        self.table.held_by(holder).map(str::to_string).collect()
+    }
+
+    /// The resource and epoch of the live (held or reclaiming) lease with this id.
+    pub fn lease(&self, lease_id: u64) -> Option<(String, u64)> {
+        let name = self.table.resource_of_lease(lease_id)?;
+        let epoch = match &self.table.resources.get(name)?.lease {
+            LeaseState::Held(l) => l.epoch,
+            LeaseState::Reclaiming { lease, .. } => lease.epoch,
+            LeaseState::Free => return None,
+        };
+        Some((name.to_string(), epoch))
+    }
+
+    /// Apply one input. Returns what the driver must do, in order.
+    pub fn step(&mut self, now: Now, input: Input) -> Vec<Output> {
+        self.dirty = false;
+        self.expire(now);
+        match input {
+            Input::Connect { session, peer } => self.connect(session, peer),
+            Input::Request { session, req } => {
+                if self.sessions.get(&session).is_some_and(|s| s.connected) {
+                    self.request(now, session, req);
+                }
+            }
+            Input::Disconnect { session } => self.disconnect(now, session),
+            Input::AnchorClosed { session } => self.anchor_closed(now, session),
+            Input::Tick => {}
+            Input::Persisted { seq } => {
+                if seq <= self.seq_requested && seq > self.seq_done {
+                    self.seq_done = seq;
+                }
+            }
+        }
+        let mut out = Vec::new();
+        if self.dirty {
+            self.seq_requested += 1;
+            out.push(Output::Persist {
+                seq: self.seq_requested,
+                state: self.snapshot(),
+            });
+        }
+        let tag = self.seq_requested;
+        for o in self.pending.drain(..) {
+            self.outbox.push_back((tag, o));
+        }
+        while self
+            .outbox
+            .front()
+            .is_some_and(|(t, _)| *t <= self.seq_done)
+        {
+            if let Some((_, o)) = self.outbox.pop_front() {
+                out.push(o);
+            }
+        }
+        out
+    }
+
+    fn send(&mut self, session: SessionId, event: Event) {
+        // A session kept alive by its anchors has no connection to write to.
+        if self.sessions.get(&session).is_some_and(|s| !s.connected) {
+            return;
+        }
+        self.pending.push(Output::Send { session, event });
+    }
+
+    fn error(&mut self, session: SessionId, code: ErrorCode, msg: String, resource: Option<&str>) {
+        self.send(session, Event::error(code, msg, resource));
+    }
+
+    fn notice(&mut self, notice: Notice, handoff_from: Option<Instant>) {
+        let watchers: Vec<SessionId> = self.watchers.iter().copied().collect();
+        for w in watchers {
+            self.send(w, Event::Notice(notice.clone()));
+        }
+        self.pending.push(Output::Notice {
+            notice,
+            handoff_from,
+        });
+    }
+
+    fn new_token(&mut self) -> String {
+        let mut b = [0u8; 16];
+        self.rng.fill_bytes(&mut b);
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut t = String::with_capacity(32);
+        for x in b {
+            t.push(char::from(HEX[usize::from(x >> 4)]));
+            t.push(char::from(HEX[usize::from(x & 15)]));
+        }
+        t
+    }
+
+    fn request(&mut self, now: Now, s: SessionId, req: Request) {
+        match req {
+            Request::Acquire {
+                resource,
+                holder,
+                wait,
+            } => self.acquire(now, s, resource, holder, wait),
+            Request::Reclaim {
+                resource,
+                holder: _,
+                epoch,
+                token,
+            } => self.reclaim(now, s, resource, epoch, token),
+            Request::Release { resource } => self.release(now, s, resource),
+            Request::Revoke {
+                resource,
+                reason,
+                admin_token,
+            } => self.revoke(now, s, resource, reason.unwrap_or_default(), admin_token),
+            Request::Status => {
+                let st = self.status(now);
+                self.send(s, Event::Status(st));
+            }
+            Request::Watch => self.watch(s),
+            Request::Ping => self.send(s, Event::Pong {}),
+            Request::Anchor => self.anchor(s),
+        }
+    }
+}
+
+/// Constant-time string comparison for secrets.
+fn ct_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    //! Transition-by-transition tests of step and the outbox.
+    use crate::core::testkit::*;
+
+    #[test]
+    fn grant_is_withheld_until_persisted() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        let out = h.raw(Input::Request {
+            session: 1,
+            req: acq("e", "a", true),
+        });
+        assert_eq!(
+            out.len(),
+            1,
+            "only the persist request leaves before the write: {out:?}"
+        );
+        let Output::Persist { seq, state } = &out[0] else {
+            panic!("{out:?}")
+        };
+        assert_eq!(state.resources["e"].epoch, 1);
+        assert_eq!(state.resources["e"].holder.as_ref().unwrap().name, "a");
+        // Other inputs before the ack stay behind the grant.
+        h.connect_raw_queued(2);
+        let out2 = h.raw(Input::Persisted { seq: *seq });
+        assert!(
+            matches!(
+                &out2[0],
+                Output::Send {
+                    session: 1,
+                    event: Event::Granted {
+                        epoch: 1,
+                        reclaimed: false,
+                        ..
+                    }
+                }
+            ),
+            "{out2:?}"
+        );
+        assert!(out2.iter().any(|o| matches!(
+            o,
+            Output::Send {
+                session: 2,
+                event: Event::Hello { .. }
+            }
+        )));
+    }
+
+    #[test]
+    fn stale_or_future_persist_acks_are_ignored() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        let out = h.raw(Input::Request {
+            session: 1,
+            req: acq("e", "a", true),
+        });
+        let Output::Persist { seq, .. } = out[0].clone() else {
+            panic!()
+        };
+        assert!(h.raw(Input::Persisted { seq: seq + 5 }).is_empty());
+        assert!(h.raw(Input::Persisted { seq: 0 }).is_empty());
+        assert!(!h.raw(Input::Persisted { seq }).is_empty());
+    }
+
+    #[test]
+    fn any_input_applies_due_expiry_first() {
+        let (mut h, _) = restarted();
+        h.ms = W;
+        let out = h.step(Input::Connect {
+            session: 2,
+            peer: peer("unix"),
+        });
+        assert!(
+            matches!(&out[0], Output::Notice { notice, .. } if notice.kind == NoticeKind::Expired)
+        );
+        assert_eq!(H::granted(&h.req(2, acq("e", "b", true)), 2).unwrap().0, 2);
+    }
+
+    #[test]
+    fn watchers_get_notices_in_order() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        h.connect(9, "unix");
+        assert_eq!(
+            H::to(&h.req(9, Request::Watch), 9),
+            vec![Event::Watching {}]
+        );
+        h.req(1, acq("e", "a", true));
+        let out = h.step(Input::Disconnect { session: 1 });
+        let kinds: Vec<NoticeKind> = H::to(&out, 9)
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::Notice(n) => Some(n.kind),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(kinds, vec![NoticeKind::Released]);
+    }
+
+    #[test]
+    fn leases_are_found_by_id_and_by_holder_name_across_a_restart() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        h.connect(2, "unix");
+        h.req(1, acq("x", "a", true));
+        h.req(1, acq("y", "a", true));
+        h.req(2, acq("z", "b", true));
+        assert_eq!(h.core.held_by("a"), vec!["x".to_string(), "y".to_string()]);
+        assert_eq!(h.core.held_by("b"), vec!["z".to_string()]);
+        assert!(h.core.held_by("nobody").is_empty());
+        assert_eq!(h.core.lease(2), Some(("y".to_string(), 1)));
+        let st = h.persisted.clone().unwrap();
+        assert_eq!(st.last_lease_id, 3);
+        assert_eq!(st.resources["z"].holder.as_ref().unwrap().lease_id, 3);
+        // After a restart the leases wait in their window under the same ids and names.
+        let mut h = H::with_state(st, None);
+        assert_eq!(h.core.lease(3), Some(("z".to_string(), 1)));
+        assert_eq!(h.core.held_by("a").len(), 2);
+        h.ms = W;
+        h.step(Input::Tick);
+        assert_eq!(h.core.lease(3), None);
+        assert!(h.core.held_by("a").is_empty());
+        // Ids are never reused.
+        h.connect(3, "unix");
+        h.req(3, acq("x", "c", true));
+        assert_eq!(h.core.lease(4), Some(("x".to_string(), 2)));
+        assert_eq!(h.core.lease(1), None);
+    }
+}

@@ -1,0 +1,429 @@
+//! The persisted records: what the state file holds, its versions, and the migration from
+//! older versions.
+//!
+//! Version 2 (written by this lockd) has room for every lease kind: each lease carries its
+//! id, kind, mode and (for TTL leases) a wall-clock expiry; each resource a data version
+//! (bumped by an exclusive holder's commit, for shared leases) and a list of further leases
+//! (the kinds that allow several holders); the state keeps tombstones of ended leases with
+//! their reason, and the offers of pool resources. Version 1 (lockd before issue 11) is read
+//! and migrated in memory: epochs, holders, tokens and counters are kept, every held lease
+//! gets a fresh lease id, and the file is rewritten as version 2 by the next persist. Any
+//! other version is refused (the file is left untouched).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::table::{LeaseKind, LeaseMode, LeaseState};
+use super::Core;
+use crate::proto::{Counters, PeerInfo};
+
+/// Current on-disk format version (what this lockd writes).
+pub const STATE_VERSION: u32 = 2;
+
+/// Every version this lockd reads (older ones are migrated in memory).
+pub const READABLE_STATE_VERSIONS: std::ops::RangeInclusive<u32> = 1..=STATE_VERSION;
+
+/// The state file's content (version 2).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PersistedState {
+    /// Format version ([`STATE_VERSION`]).
+    pub version: u32,
+    /// Every resource ever granted: its last epoch and its holder (if held).
+    pub resources: BTreeMap<String, PersistedResource>,
+    /// Counters, so that they survive restarts.
+    #[serde(default)]
+    pub counters: Counters,
+    /// The id of the last lease granted: lease ids are never reused, across restarts.
+    #[serde(default)]
+    pub last_lease_id: u64,
+    /// Ended leases, kept for a bounded time so that their end (and its reason) can be
+    /// asked for by lease id. None are recorded yet (the TTL kind will).
+    #[serde(default)]
+    pub tombstones: Vec<Tombstone>,
+    /// Offers of pool resources (quantity leases), by pool name. None yet.
+    #[serde(default)]
+    pub offers: BTreeMap<String, Vec<PersistedOffer>>,
+}
+
+impl Default for PersistedState {
+    fn default() -> Self {
+        PersistedState {
+            version: STATE_VERSION,
+            resources: BTreeMap::new(),
+            counters: Counters::default(),
+            last_lease_id: 0,
+            tombstones: Vec::new(),
+            offers: BTreeMap::new(),
+        }
+    }
+}
+
+/// One resource in the state file.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PersistedResource {
+    /// Last epoch granted: every later grant gets a strictly greater one.
+    pub epoch: u64,
+    /// The exclusive holder at the time of writing; on restart it gets a reconnect window.
+    pub holder: Option<PersistedLease>,
+    /// Data version (shared leases: an exclusive holder's commit bumps it). 0 until then.
+    #[serde(default)]
+    pub version: u64,
+    /// Further leases, of the kinds that allow several holders (shared, quantity). Empty
+    /// in this lockd; a file that has some is refused rather than silently dropped.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub leases: Vec<PersistedLease>,
+}
+
+/// A lease in the state file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PersistedLease {
+    /// Holder name given at acquire.
+    pub name: String,
+    /// The lease's fencing epoch.
+    pub epoch: u64,
+    /// Secret the holder presents to reclaim after a reconnect.
+    pub token: String,
+    /// Wall-clock grant time (ms since the Unix epoch).
+    pub granted_at_unix_ms: u64,
+    /// Peer of the holder's connection at grant time (for humans).
+    #[serde(default)]
+    pub peer: Option<PeerInfo>,
+    /// Revoked leases are never handed back by reclaim.
+    #[serde(default)]
+    pub revoked: bool,
+    /// The lease's id (unique for the life of the state file, never 0).
+    pub lease_id: u64,
+    /// Its kind.
+    #[serde(default)]
+    pub kind: LeaseKind,
+    /// Its mode.
+    #[serde(default)]
+    pub mode: LeaseMode,
+    /// TTL leases: wall-clock expiry (ms since the Unix epoch), so that a restart neither
+    /// extends nor shortens it. None for connection-bound leases.
+    #[serde(default)]
+    pub expires_at_unix_ms: Option<u64>,
+}
+
+/// An ended lease, remembered with the reason it ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tombstone {
+    /// The lease's id.
+    pub lease_id: u64,
+    /// Its resource.
+    pub resource: String,
+    /// Its holder.
+    pub holder: String,
+    /// Its epoch.
+    pub epoch: u64,
+    /// Its kind.
+    #[serde(default)]
+    pub kind: LeaseKind,
+    /// Why it ended: `released`, `expired` or `revoked:<by whom/why>`.
+    pub reason: String,
+    /// When it ended (ms since the Unix epoch).
+    pub ended_at_unix_ms: u64,
+}
+
+/// One offer of a pool resource (quantity leases).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PersistedOffer {
+    /// Offer name, unique in its pool.
+    pub name: String,
+    /// Quantity offered.
+    pub quantity: u64,
+    /// Attributes that requests' requirements match.
+    #[serde(default)]
+    pub attributes: BTreeMap<String, String>,
+    /// Longest lease time granted from this offer, in ms.
+    #[serde(default)]
+    pub max_lease_ms: Option<u64>,
+}
+
+/// The state file format of lockd before issue 11 (version 1).
+mod v1 {
+    use std::collections::BTreeMap;
+
+    use serde::Deserialize;
+
+    use crate::proto::{Counters, PeerInfo};
+
+    #[derive(Deserialize)]
+    pub struct State {
+        pub resources: BTreeMap<String, Resource>,
+        #[serde(default)]
+        pub counters: Counters,
+    }
+
+    #[derive(Deserialize)]
+    pub struct Resource {
+        pub epoch: u64,
+        pub holder: Option<Lease>,
+    }
+
+    #[derive(Deserialize)]
+    pub struct Lease {
+        pub name: String,
+        pub epoch: u64,
+        pub token: String,
+        pub granted_at_unix_ms: u64,
+        #[serde(default)]
+        pub peer: Option<PeerInfo>,
+        #[serde(default)]
+        pub revoked: bool,
+    }
+}
+
+/// Just the version of a state file.
+#[derive(Deserialize)]
+struct Probe {
+    version: u32,
+}
+
+/// Migrate a version-1 state: epochs, holders, tokens and counters kept; each held lease
+/// gets a lease id (in resource-name order).
+fn migrate_v1(old: v1::State) -> PersistedState {
+    let mut st = PersistedState {
+        counters: old.counters,
+        ..PersistedState::default()
+    };
+    for (name, r) in old.resources {
+        let holder = r.holder.map(|l| {
+            st.last_lease_id += 1;
+            PersistedLease {
+                name: l.name,
+                epoch: l.epoch,
+                token: l.token,
+                granted_at_unix_ms: l.granted_at_unix_ms,
+                peer: l.peer,
+                revoked: l.revoked,
+                lease_id: st.last_lease_id,
+                kind: LeaseKind::Exclusive,
+                mode: LeaseMode::Exclusive,
+                expires_at_unix_ms: None,
+            }
+        });
+        st.resources.insert(
+            name,
+            PersistedResource {
+                epoch: r.epoch,
+                holder,
+                version: 0,
+                leases: Vec::new(),
+            },
+        );
+    }
+    st
+}
+
+/// Decode state file bytes of any readable version into the current form. Returns the
+/// state and the version the file had; the error says what is wrong (the caller refuses to
+/// start and leaves the file untouched).
+pub fn decode_state(bytes: &[u8]) -> Result<(PersistedState, u32), String> {
+    if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+        return Err("empty file".into());
+    }
+    let probe: Probe =
+        serde_json::from_slice(bytes).map_err(|e| format!("not a lockd state: {e}"))?;
+    let st = match probe.version {
+        1 => migrate_v1(
+            serde_json::from_slice(bytes).map_err(|e| format!("not a lockd state: {e}"))?,
+        ),
+        STATE_VERSION => {
+            serde_json::from_slice(bytes).map_err(|e| format!("not a lockd state: {e}"))?
+        }
+        v => {
+            let (lo, hi) = (
+                READABLE_STATE_VERSIONS.start(),
+                READABLE_STATE_VERSIONS.end(),
+            );
+            return Err(if v > *hi {
+                format!(
+                    "version {v} (this lockd reads versions {lo} to {hi}; \
+                     the file was written by a newer lockd)"
+                )
+            } else {
+                format!("version {v} (this lockd reads versions {lo} to {hi})")
+            });
+        }
+    };
+    validate(&st)?;
+    Ok((st, probe.version))
+}
+
+/// Consistency checks of a decoded state.
+fn validate(st: &PersistedState) -> Result<(), String> {
+    let mut ids = std::collections::BTreeSet::new();
+    for (name, r) in &st.resources {
+        if let Some(h) = &r.holder {
+            if h.epoch > r.epoch || h.epoch == 0 {
+                return Err(format!(
+                    "resource {name:?}: holder epoch {} inconsistent with epoch {}",
+                    h.epoch, r.epoch
+                ));
+            }
+            if h.lease_id == 0 || h.lease_id > st.last_lease_id || !ids.insert(h.lease_id) {
+                return Err(format!(
+                    "resource {name:?}: lease id {} is 0, repeated or above the last lease id {}",
+                    h.lease_id, st.last_lease_id
+                ));
+            }
+        }
+        if !r.leases.is_empty() {
+            return Err(format!(
+                "resource {name:?} has {} shared or quantity leases, which this lockd does \
+                 not serve (written by a newer lockd)",
+                r.leases.len()
+            ));
+        }
+    }
+    if !st.offers.is_empty() {
+        return Err(
+            "the state has pool offers, which this lockd does not serve \
+                    (written by a newer lockd)"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+impl Core {
+    /// The full persisted form of the current state (always the current version).
+    pub fn snapshot(&self) -> PersistedState {
+        let resources = self
+            .table
+            .resources
+            .iter()
+            .map(|(name, r)| {
+                let holder = match &r.lease {
+                    LeaseState::Free => None,
+                    LeaseState::Held(l) => Some(PersistedLease {
+                        name: l.holder.clone(),
+                        epoch: l.epoch,
+                        token: l.token.clone(),
+                        granted_at_unix_ms: l.granted_at_unix_ms,
+                        peer: self.sessions.get(&l.session).map(|s| s.peer.clone()),
+                        revoked: l.revoked.is_some(),
+                        lease_id: l.lease_id,
+                        kind: l.kind,
+                        mode: l.mode,
+                        expires_at_unix_ms: None,
+                    }),
+                    LeaseState::Reclaiming { lease, .. } => Some(lease.clone()),
+                };
+                (
+                    name.clone(),
+                    PersistedResource {
+                        epoch: r.epoch,
+                        holder,
+                        version: r.version,
+                        leases: Vec::new(),
+                    },
+                )
+            })
+            .collect();
+        PersistedState {
+            version: STATE_VERSION,
+            resources,
+            counters: self.counters,
+            last_lease_id: self.table.last_lease_id,
+            tombstones: self.tombstones.clone(),
+            offers: BTreeMap::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{decode_state, LeaseKind, LeaseMode, STATE_VERSION};
+
+    /// Written by lockd before issue 11 (see tests/fixtures/gen-state-v1.py).
+    const FIXTURE_V1: &[u8] = include_bytes!("../../tests/fixtures/state-v1.json");
+
+    #[test]
+    fn a_version_1_file_is_migrated_keeping_epochs_holders_tokens_and_counters() {
+        let (st, from) = decode_state(FIXTURE_V1).unwrap();
+        assert_eq!((from, st.version), (1, STATE_VERSION));
+        let e = &st.resources["engine"];
+        let h = e.holder.as_ref().unwrap();
+        assert_eq!((e.epoch, h.epoch, h.name.as_str()), (3, 3, "engine-a"));
+        assert_eq!(h.token, "969a748ba65aad13af08833c93dd3e94");
+        assert_eq!(
+            (h.kind, h.mode, h.revoked),
+            (LeaseKind::Exclusive, LeaseMode::Exclusive, false)
+        );
+        let g = &st.resources["gpu-pool"];
+        assert_eq!((g.epoch, g.holder.is_none()), (1, true));
+        let w = st.resources["weights"].holder.as_ref().unwrap();
+        assert!(w.revoked);
+        // Lease ids: fresh, distinct, within the last id.
+        assert_ne!(h.lease_id, w.lease_id);
+        assert_eq!(st.last_lease_id, 2);
+        assert_eq!(
+            (
+                st.counters.grants,
+                st.counters.releases,
+                st.counters.revocations
+            ),
+            (5, 3, 1)
+        );
+        // The migrated state written back is version 2 and reads back identical.
+        let bytes = serde_json::to_vec(&st).unwrap();
+        assert!(String::from_utf8_lossy(&bytes).starts_with(r#"{"version":2,"#));
+        assert_eq!(decode_state(&bytes).unwrap(), (st, 2));
+    }
+
+    #[test]
+    fn unknown_versions_and_inconsistent_files_are_refused() {
+        for (bad, why) in [
+            (&br#"{"version":3,"resources":{}}"#[..], "newer lockd"),
+            (br#"{"version":0,"resources":{}}"#, "version 0"),
+            (br#"{"resources":{}}"#, "not a lockd state"),
+            (br#"{"version":2,"resources":{"r":{"epoch":1,"holder":{"name":"a","epoch":1,"token":"t","granted_at_unix_ms":0}}}}"#, "not a lockd state"),
+            (br#"{"version":2,"resources":{"r":{"epoch":1,"holder":{"name":"a","epoch":1,"token":"t","granted_at_unix_ms":0,"lease_id":5}}},"last_lease_id":4}"#, "lease id 5"),
+            (br#"{"version":2,"resources":{"r":{"epoch":1,"holder":{"name":"a","epoch":1,"token":"t","granted_at_unix_ms":0,"lease_id":1,"kind":"warp"}}},"last_lease_id":4}"#, "not a lockd state"),
+            (br#"{"version":2,"resources":{"r":{"epoch":1,"holder":null,"leases":[{"name":"a","epoch":1,"token":"t","granted_at_unix_ms":0,"lease_id":1}]}},"last_lease_id":4}"#, "newer lockd"),
+            (br#"{"version":1,"resources":{"r":{"epoch":1,"holder":{"name":"a","epoch":5,"token":"t","granted_at_unix_ms":0}}}}"#, "inconsistent"),
+        ] {
+            let e = decode_state(bad).unwrap_err();
+            assert!(e.contains(why), "{}: {e}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    use crate::core::testkit::*;
+
+    #[test]
+    fn last_holder_leaving_persists_a_free_resource_keeping_the_epoch() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        h.req(1, acq("e", "a", true));
+        h.step(Input::Disconnect { session: 1 });
+        let st = h.persisted.clone().unwrap();
+        assert_eq!(
+            st.resources["e"],
+            PersistedResource {
+                epoch: 1,
+                holder: None,
+                ..Default::default()
+            }
+        );
+        assert_eq!(h.res("e").state, proto::LeaseState::Free);
+    }
+
+    #[test]
+    fn epochs_stay_monotonic_across_many_restarts() {
+        let mut st = PersistedState::default();
+        let mut last = 0;
+        for _ in 0..20 {
+            let mut h = H::with_state(st.clone(), None);
+            h.ms = W;
+            h.step(Input::Tick);
+            h.connect(1, "unix");
+            let (epoch, _, _) = H::granted(&h.req(1, acq("e", "a", true)), 1).unwrap();
+            assert!(epoch > last, "{epoch} after {last}");
+            last = epoch;
+            st = h.persisted.clone().unwrap();
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! Reports: the `status` answer, and the per-resource figures metrics read.
+
+use super::table::LeaseState;
+use super::{Core, Now};
+use crate::proto::{self, ResourceReport, SessionReport, StatusReport};
+
+impl Core {
+    /// The status report as of `now`.
+    pub fn status(&self, now: Now) -> StatusReport {
+        let resources = self
+            .table
+            .resources
+            .iter()
+            .map(|(name, r)| {
+                let waiters = r.waiters.iter().map(|w| w.holder.clone()).collect();
+                match &r.lease {
+                    LeaseState::Free => ResourceReport {
+                        name: name.clone(),
+                        holder: None,
+                        epoch: r.epoch,
+                        state: proto::LeaseState::Free,
+                        waiters,
+                        holder_session: None,
+                        holder_peer: None,
+                        revoked: false,
+                        granted_at_unix_ms: None,
+                        reclaim_remaining_ms: None,
+                    },
+                    LeaseState::Held(l) => ResourceReport {
+                        name: name.clone(),
+                        holder: Some(l.holder.clone()),
+                        epoch: l.epoch,
+                        state: proto::LeaseState::Held,
+                        waiters,
+                        holder_session: Some(l.session),
+                        holder_peer: self.sessions.get(&l.session).map(|s| s.peer.clone()),
+                        revoked: l.revoked.is_some(),
+                        granted_at_unix_ms: Some(l.granted_at_unix_ms),
+                        reclaim_remaining_ms: None,
+                    },
+                    LeaseState::Reclaiming { lease, deadline } => ResourceReport {
+                        name: name.clone(),
+                        holder: Some(lease.name.clone()),
+                        epoch: lease.epoch,
+                        state: proto::LeaseState::Reclaiming,
+                        waiters,
+                        holder_session: None,
+                        holder_peer: lease.peer.clone(),
+                        revoked: lease.revoked,
+                        granted_at_unix_ms: Some(lease.granted_at_unix_ms),
+                        reclaim_remaining_ms: Some(
+                            deadline.saturating_duration_since(now.mono).as_millis() as u64,
+                        ),
+                    },
+                }
+            })
+            .collect();
+        let sessions = self
+            .sessions
+            .iter()
+            .map(|(id, s)| SessionReport {
+                id: *id,
+                peer: s.peer.clone(),
+                holds: s.holds.iter().cloned().collect(),
+                waits: s.waits.iter().cloned().collect(),
+                watching: s.watching,
+                connected: s.connected,
+                anchors: s.anchors,
+            })
+            .collect();
+        StatusReport {
+            resources,
+            counters: self.counters,
+            sessions,
+        }
+    }
+
+    /// Number of waiters per resource (metrics).
+    pub fn waiters(&self) -> Vec<(String, usize, bool)> {
+        self.table
+            .resources
+            .iter()
+            .map(|(n, r)| {
+                (
+                    n.clone(),
+                    r.waiters.len(),
+                    !matches!(r.lease, LeaseState::Free),
+                )
+            })
+            .collect()
+    }
+
+    /// Number of connected sessions (metrics).
+    pub fn session_count(&self) -> usize {
+        self.sessions.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Transition-by-transition tests of reports.
+    use crate::core::testkit::*;
+
+    #[test]
+    fn status_ping_and_unknown_sessions() {
+        let mut h = H::new();
+        assert!(
+            h.req(77, Request::Ping).is_empty(),
+            "requests of unknown sessions are dropped"
+        );
+        h.connect(1, "unix");
+        assert_eq!(H::to(&h.req(1, Request::Ping), 1), vec![Event::Pong {}]);
+        h.req(1, acq("e", "a", true));
+        let out = h.req(1, Request::Status);
+        let Event::Status(st) = &H::to(&out, 1)[0] else {
+            panic!()
+        };
+        assert_eq!(st.resources[0].holder_peer.as_ref().unwrap().pid, Some(7));
+        assert_eq!(st.sessions[0].holds, vec!["e".to_string()]);
+        assert_eq!(st.counters.grants, 1);
+        assert!(h.step(Input::Disconnect { session: 42 }).is_empty());
+    }
+}
