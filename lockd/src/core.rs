@@ -91,12 +91,13 @@ pub enum Output {
         /// The event.
         event: Event,
     },
-    /// Durably write this state, then feed `Input::Persisted { seq }`.
+    /// Durably write the state ([`Core::snapshot`], taken at any time from now on: a later
+    /// snapshot covers this request too), then feed `Input::Persisted { seq }` with the
+    /// highest `seq` that the written snapshot covers. The snapshot is not built here: a
+    /// driver that coalesces many requests into one write (group commit) builds it once.
     Persist {
         /// Sequence number to acknowledge.
         seq: u64,
-        /// The full state to write.
-        state: PersistedState,
     },
     /// A lease change, for logs and metrics (watchers get their own `Send`s).
     Notice {
@@ -252,6 +253,11 @@ pub struct Core {
     pending: Vec<Output>,
     /// Whether the current step changed persisted state.
     dirty: bool,
+    /// Sessions that asked to `watch` (so a notice costs O(watchers), not O(sessions)).
+    watchers: BTreeSet<SessionId>,
+    /// Whether a resource may still be `Reclaiming` (only ever entered at startup): while
+    /// false, deadlines cost nothing per step instead of a walk over every resource.
+    may_reclaim: bool,
 }
 
 impl Core {
@@ -276,7 +282,12 @@ impl Core {
                 },
             );
         }
+        let may_reclaim = resources
+            .values()
+            .any(|r: &Resource| matches!(r.lease, LeaseState::Reclaiming { .. }));
         Core {
+            watchers: BTreeSet::new(),
+            may_reclaim,
             cfg,
             rng: StdRng::seed_from_u64(seed),
             sessions: BTreeMap::new(),
@@ -292,6 +303,9 @@ impl Core {
 
     /// The earliest reconnect-window deadline, if any: call `step(Tick)` then.
     pub fn next_deadline(&self) -> Option<Instant> {
+        if !self.may_reclaim {
+            return None;
+        }
         self.resources
             .values()
             .filter_map(|r| match &r.lease {
@@ -378,12 +392,17 @@ impl Core {
                 }
             }
         }
+        if self.may_reclaim {
+            self.may_reclaim = self
+                .resources
+                .values()
+                .any(|r| matches!(r.lease, LeaseState::Reclaiming { .. }));
+        }
         let mut out = Vec::new();
         if self.dirty {
             self.seq_requested += 1;
             out.push(Output::Persist {
                 seq: self.seq_requested,
-                state: self.snapshot(),
             });
         }
         let tag = self.seq_requested;
@@ -519,10 +538,10 @@ impl Core {
 
     fn notice(&mut self, notice: Notice, handoff_from: Option<Instant>) {
         let watchers: Vec<SessionId> = self
-            .sessions
+            .watchers
             .iter()
-            .filter(|(_, s)| s.watching)
-            .map(|(id, _)| *id)
+            .filter(|id| self.sessions.get(id).is_some_and(|s| s.watching))
+            .copied()
             .collect();
         for w in watchers {
             self.send(w, Event::Notice(notice.clone()));
@@ -571,6 +590,7 @@ impl Core {
             Request::Watch => {
                 if let Some(sess) = self.sessions.get_mut(&s) {
                     sess.watching = true;
+                    self.watchers.insert(s);
                 }
                 self.send(s, Event::Watching {});
             }
@@ -776,6 +796,7 @@ impl Core {
             // waits for (nobody could be told of a grant) and stop its notices.
             sess.connected = false;
             sess.watching = false;
+            self.watchers.remove(&s);
             let waits = std::mem::take(&mut sess.waits);
             for r in &waits {
                 if let Some(res) = self.resources.get_mut(r) {
@@ -802,6 +823,7 @@ impl Core {
         let Some(sess) = self.sessions.remove(&s) else {
             return;
         };
+        self.watchers.remove(&s);
         for r in &sess.waits {
             if let Some(res) = self.resources.get_mut(r) {
                 res.waiters.retain(|w| w.session != s);
@@ -1014,6 +1036,9 @@ impl Core {
 
     /// End reconnect windows whose deadline has passed.
     fn expire(&mut self, now: Now) {
+        if !self.may_reclaim {
+            return;
+        }
         let due: Vec<String> = self
             .resources
             .iter()
@@ -1141,8 +1166,8 @@ mod tests {
             while let Some(i) = q.pop() {
                 for o in self.raw(i) {
                     match o {
-                        Output::Persist { seq, state } => {
-                            self.persisted = Some(state);
+                        Output::Persist { seq } => {
+                            self.persisted = Some(self.core.snapshot());
                             self.persists += 1;
                             q.push(Input::Persisted { seq });
                         }
@@ -1217,9 +1242,10 @@ mod tests {
             1,
             "only the persist request leaves before the write: {out:?}"
         );
-        let Output::Persist { seq, state } = &out[0] else {
+        let Output::Persist { seq } = &out[0] else {
             panic!("{out:?}")
         };
+        let state = h.core.snapshot();
         assert_eq!(state.resources["e"].epoch, 1);
         assert_eq!(state.resources["e"].holder.as_ref().unwrap().name, "a");
         // Other inputs before the ack stay behind the grant.
