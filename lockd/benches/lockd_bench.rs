@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! cargo bench -p lockd --bench lockd_bench -- [--rounds 200] [--clients 64] [--seconds 5]
+//!     [--scale-sessions 10000] [--scale-resources 1000] [--scale-only]
 //! ```
 //!
 //! Measures, in one run, with the state file on tmpfs (/dev/shm):
@@ -13,6 +14,12 @@
 //!    started with `--busy-poll 0`): each client pipelines `release`+`acquire` as soon as it is
 //!    granted; plus the machine's bare Unix-socket round trip between two sleeping threads, the
 //!    floor under a one-resource cycle when lockd sleeps between requests.
+//! 3. scale (issue 11, point 4): a fresh lockd with `--scale-sessions` raw connections over
+//!    `--scale-resources` resources (one holder each, the rest queued): lockd's RSS (VmRSS of
+//!    /proc/PID/status), `status` latency over a raw connection (request → whole answer read),
+//!    and the time until every resource's next waiter has read its grant after every holder
+//!    closed its connection at once (with the number of durable state writes that took).
+//!    `--scale-only` runs this part alone. Needs `ulimit -n` above the session count.
 //!
 //! lockd runs with `LOCKD_LOG=warn` (set `LOCKD_BENCH_LOG=info` to include its per-transition
 //! log lines, written to a file in the bench directory). It is started by `harness::lockd`,
@@ -387,10 +394,216 @@ fn start_lockd(dir: &Path, metrics: u16, extra: &[&str]) -> Lockd {
     )
 }
 
+/// Resident set size of a process in KiB (`VmRSS` of /proc/PID/status; 0 if unreadable).
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Read lines from a raw client socket until one contains `needle` (bounded by `limit`).
+fn read_until(
+    s: &mut UnixStream,
+    pending: &mut Vec<u8>,
+    needle: &[u8],
+    limit: Duration,
+) -> Vec<u8> {
+    let end = Instant::now() + limit;
+    let mut buf = vec![0u8; 64 * 1024];
+    // Bytes of `pending` already searched for a newline (a long answer arrives in many reads).
+    let mut scanned = 0;
+    loop {
+        while let Some(p) = pending[scanned..].iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=scanned + p).collect();
+            scanned = 0;
+            // Events start with their name: look for it in the line's head only.
+            let head = &line[..line.len().min(64)];
+            if head.windows(needle.len()).any(|w| w == needle) {
+                return line;
+            }
+        }
+        scanned = pending.len();
+        let left = end.saturating_duration_since(Instant::now());
+        assert!(
+            !left.is_zero(),
+            "no {:?} within {limit:?}",
+            String::from_utf8_lossy(needle)
+        );
+        s.set_read_timeout(Some(left)).expect("set_read_timeout");
+        let n = s.read(&mut buf).expect("read from lockd");
+        assert!(n > 0, "lockd closed a bench connection");
+        pending.extend_from_slice(&buf[..n]);
+    }
+}
+
+/// Scale figures: what lockd costs with many sessions waiting.
+struct Scale {
+    /// Sessions connected.
+    sessions: usize,
+    /// Resources (one holder each, the other sessions queued evenly).
+    resources: usize,
+    /// lockd's RSS before any session (KiB).
+    rss_idle_kib: u64,
+    /// lockd's RSS with every session connected and waiting (KiB).
+    rss_kib: u64,
+    /// `status` round trips over a raw connection (µs, sorted).
+    status_us: Vec<f64>,
+    /// Bytes of one `status` answer.
+    status_bytes: usize,
+    /// Every holder closes its connection at once → every resource granted to its next waiter (ms).
+    mass_handover_ms: f64,
+    /// Durable state writes during the mass hand-over.
+    mass_writes: f64,
+}
+
+/// The scale scenario: `sessions` raw connections over `resources` resources (one holder
+/// each, the rest queued), then every holder leaves at once.
+fn scale(dir: &Path, sessions: usize, resources: usize) -> Scale {
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut lockd = start_lockd(dir, metrics, &["--idle-timeout", "60s"]);
+    let sock = lockd.socket().to_path_buf();
+    let pid = lockd.pid().expect("lockd runs") as u32;
+    let rss_idle_kib = rss_kib(pid);
+    let connect = |i: usize| {
+        let r = i % resources;
+        let mut s = UnixStream::connect(&sock).expect("connect (raise ulimit -n?)");
+        let req = format!("{{\"op\":\"acquire\",\"resource\":\"s{r}\",\"holder\":\"h{i}\"}}\n");
+        s.write_all(req.as_bytes()).expect("acquire");
+        s
+    };
+    // Holders first (granted at once), then the waiters, in rounds over the resources.
+    let mut holders = Vec::with_capacity(resources);
+    for i in 0..resources {
+        let mut s = connect(i);
+        let mut p = Vec::new();
+        read_until(
+            &mut s,
+            &mut p,
+            b"\"event\":\"granted\"",
+            Duration::from_secs(30),
+        );
+        holders.push(s);
+    }
+    let mut waiters = Vec::with_capacity(sessions.saturating_sub(resources));
+    for i in resources..sessions {
+        waiters.push(connect(i));
+    }
+    // Every waiter is queued once the status lists them all.
+    wait_until(Duration::from_secs(120), "every waiter queued", || {
+        harness::lockd::status_at(&sock, Duration::from_secs(10))
+            .map(|st| st.resources.iter().map(|r| r.waiters.len()).sum::<usize>())
+            .unwrap_or(0)
+            == sessions - resources
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let rss = rss_kib(pid);
+    // `status` over one raw connection, as a client sees it (request → whole answer read).
+    let mut st = UnixStream::connect(&sock).expect("connect");
+    let mut p = Vec::new();
+    read_until(
+        &mut st,
+        &mut p,
+        b"\"event\":\"hello\"",
+        Duration::from_secs(10),
+    );
+    let mut status_us = Vec::new();
+    let mut status_bytes = 0;
+    for _ in 0..30 {
+        let t = Instant::now();
+        st.write_all(b"{\"op\":\"status\"}\n").expect("status");
+        let line = read_until(
+            &mut st,
+            &mut p,
+            b"\"event\":\"status\"",
+            Duration::from_secs(10),
+        );
+        status_us.push(t.elapsed().as_secs_f64() * 1e6);
+        status_bytes = line.len();
+    }
+    status_us.sort_by(f64::total_cmp);
+    drop(st);
+    // The next waiter of resource r is the session that connected at `resources + r`.
+    let w0 = scrape(metrics);
+    let t = Instant::now();
+    drop(holders);
+    for w in waiters.iter_mut().take(resources) {
+        let mut p = Vec::new();
+        read_until(w, &mut p, b"\"event\":\"granted\"", Duration::from_secs(60));
+    }
+    let mass_handover_ms = t.elapsed().as_secs_f64() * 1e3;
+    let w1 = scrape(metrics);
+    let mass_writes =
+        metric(&w1, "lockd_persist_seconds_count") - metric(&w0, "lockd_persist_seconds_count");
+    drop(waiters);
+    lockd.signal(Signal::SIGTERM);
+    let _ = lockd.wait_exit(Duration::from_secs(30));
+    Scale {
+        sessions,
+        resources,
+        rss_idle_kib,
+        rss_kib: rss,
+        status_us,
+        status_bytes,
+        mass_handover_ms,
+        mass_writes,
+    }
+}
+
+/// Run [`scale`] in its own directory, print its figures and return them as JSON.
+fn scale_phase(base: &Path, sessions: usize, resources: usize) -> serde_json::Value {
+    let dir = base.join("scale");
+    std::fs::create_dir_all(&dir).unwrap();
+    eprintln!("  scale: {sessions} sessions over {resources} resources ...");
+    let sc = scale(&dir, sessions, resources);
+    let med = pct(&sc.status_us, 50.0);
+    let p99 = pct(&sc.status_us, 99.0);
+    let per_session =
+        (sc.rss_kib.saturating_sub(sc.rss_idle_kib)) as f64 / sc.sessions.max(1) as f64;
+    let mib = sc.rss_kib as f64 / 1024.0;
+    println!("\nscale: {} sessions (one holder per resource, the rest queued) over {} resources, raw client", sc.sessions, sc.resources);
+    println!(
+        "  lockd RSS: {mib:.1} MiB ({:.1} MiB idle, {per_session:.2} KiB per session) (target <= 40 MiB: {})",
+        sc.rss_idle_kib as f64 / 1024.0,
+        if mib <= 40.0 { "MET" } else { "MISSED" }
+    );
+    println!(
+        "  status ({} bytes): median {:.2} ms, p99 {:.2} ms over {} requests (target <= 5 ms: {})",
+        sc.status_bytes,
+        med / 1e3,
+        p99 / 1e3,
+        sc.status_us.len(),
+        if med <= 5000.0 { "MET" } else { "MISSED" }
+    );
+    println!(
+        "  every holder leaves at once -> all {} hand-overs seen by the next waiters: {:.1} ms, {} durable state writes (target <= 100 ms: {})",
+        sc.resources,
+        sc.mass_handover_ms,
+        sc.mass_writes,
+        if sc.mass_handover_ms <= 100.0 { "MET" } else { "MISSED" }
+    );
+    serde_json::json!({
+        "sessions": sc.sessions, "resources": sc.resources,
+        "rss_mib": mib, "rss_idle_mib": sc.rss_idle_kib as f64 / 1024.0, "rss_kib_per_session": per_session,
+        "status_ms": {"median": med / 1e3, "p99": p99 / 1e3, "bytes": sc.status_bytes},
+        "mass_handover_ms": sc.mass_handover_ms, "mass_handover_state_writes": sc.mass_writes,
+    })
+}
+
 fn main() {
     let rounds = (arg("--rounds", 200) as usize).max(1);
     let clients = arg("--clients", 64) as usize;
     let secs = arg("--seconds", 5);
+    let scale_sessions = arg("--scale-sessions", 10_000) as usize;
+    let scale_resources = (arg("--scale-resources", 1_000) as usize).max(1);
     let base = if Path::new("/dev/shm").is_dir() {
         PathBuf::from("/dev/shm")
     } else {
@@ -400,6 +613,11 @@ fn main() {
         .prefix("lockd-bench")
         .tempdir_in(&base)
         .expect("tempdir");
+    if std::env::args().any(|a| a == "--scale-only") {
+        let sc = scale_phase(dir.path(), scale_sessions, scale_resources);
+        println!("\n{}", serde_json::json!({ "scale": sc }));
+        return;
+    }
     let flock_file = dir.path().join("flock.lock");
     std::fs::write(&flock_file, b"").unwrap();
     println!("lockd bench: state on {} ({}), {rounds} handoff rounds per tool, {clients} clients x {secs}s", base.display(), if base.starts_with("/dev/shm") { "tmpfs" } else { "not tmpfs" });
@@ -532,6 +750,7 @@ fn main() {
         100.0 * spin_s / secs.max(1) as f64,
         100.0 * hits / n1.max(1) as f64,
     );
+    let sc = scale_phase(dir.path(), scale_sessions, scale_resources);
     let mut load = String::new();
     let _ = std::fs::File::open("/proc/loadavg").and_then(|mut f| f.read_to_string(&mut load));
     println!(
@@ -550,6 +769,7 @@ fn main() {
             "throughput_cycles_per_s": {"clients": clients, "one_resource": tp1, "eight_resources": tp8, "one_resource_threads": tpt, "one_resource_busy_poll_off": tpo},
             "bare_round_trips_per_s": bare,
             "lockd_cpu_us_per_cycle": {"one_resource": c1, "eight_resources": c8, "one_resource_busy_poll_off": co},
+            "scale": sc,
         })
     );
     lockd.signal(Signal::SIGTERM);

@@ -10,7 +10,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -219,10 +219,18 @@ enum Stream {
 }
 
 impl Stream {
-    async fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+    /// Wait until there are bytes (or end-of-file) to read; no buffer is held meanwhile.
+    async fn readable(&self) -> std::io::Result<()> {
         match self {
-            Stream::Unix(s) => s.read(buf).await,
-            Stream::Tcp(s) => s.read(buf).await,
+            Stream::Unix(s) => s.readable().await,
+            Stream::Tcp(s) => s.readable().await,
+        }
+    }
+    /// Read what is there now (`WouldBlock` if nothing).
+    fn try_read(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.try_read(buf),
+            Stream::Tcp(s) => s.try_read(buf),
         }
     }
     async fn write_all(&mut self, b: &[u8]) -> std::io::Result<()> {
@@ -717,18 +725,23 @@ impl Task {
     }
 
     async fn connected(&mut self, s: &mut Stream, cmds: &mut mpsc::UnboundedReceiver<Cmd>) -> Flow {
+        // Reads go straight into the line buffer, which grows for a long event (a big
+        // `status`) and is let go once its lines are taken: no 16 KiB buffer per client.
         let mut lb = LineBuf::new(MAX_EVENT_LINE);
-        let mut buf = vec![0u8; 16 * 1024];
         loop {
             let deadline = self.lost_deadline;
             tokio::select! {
-                n = s.read(&mut buf) => {
-                    let n = match n {
+                r = s.readable() => {
+                    if let Err(e) = r {
+                        return Flow::Broken(format!("read failed: {e}"));
+                    }
+                    match lb.read_with(|room| s.try_read(room)) {
                         Ok(0) => return Flow::Broken("lockd closed the connection".into()),
-                        Ok(n) => n,
+                        Ok(_) => {}
+                        // Spurious readiness: wait again.
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
                         Err(e) => return Flow::Broken(format!("read failed: {e}")),
-                    };
-                    lb.push(&buf[..n]);
+                    }
                     while let Some(item) = lb.next_line() {
                         match item {
                             Ok(line) => self.on_line(&line),

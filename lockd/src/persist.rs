@@ -253,6 +253,11 @@ impl StateFile {
     }
 
     fn write_bytes(&mut self, bytes: &[u8]) -> Result<(), PersistError> {
+        #[cfg(debug_assertions)]
+        if let Some(d) = test_write_delay() {
+            // A slow disk, for the tests of group commit (debug builds only).
+            std::thread::sleep(d);
+        }
         if self.exchange_ok && self.cur.is_some() {
             if let Some(sp) = self.spare.take() {
                 // Publish only the inode we are about to write: if someone replaced
@@ -316,6 +321,20 @@ impl StateFile {
         }
         Ok(())
     }
+}
+
+/// Debug builds only: `LOCKD_TEST_WRITE_DELAY_MS` makes every state write wait this long
+/// before it starts (the new state is published only after it), so that tests can check
+/// group commit and durable-before-visible against a slow fsync.
+#[cfg(debug_assertions)]
+fn test_write_delay() -> Option<std::time::Duration> {
+    static DELAY: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
+    *DELAY.get_or_init(|| {
+        std::env::var("LOCKD_TEST_WRITE_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map(std::time::Duration::from_millis)
+    })
 }
 
 impl Drop for StateFile {

@@ -16,9 +16,8 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::Notify;
 use tracing::{debug, error, info, warn};
 
 use crate::core::{Config, Core, Input, Now, Output, SessionId};
@@ -161,9 +160,12 @@ struct Driver {
     deferred: Vec<LogLine>,
     /// Wakes the logger task.
     log_notify: Rc<Notify>,
-    /// The latest state the core asked to persist, not yet written (group commit).
-    pending_persist: Option<(u64, crate::core::PersistedState)>,
-    /// Wakes the flusher task when `pending_persist` is set.
+    /// Highest persist sequence number the core asked for (group commit: every request up
+    /// to it is covered by the next write, of one snapshot taken when that write starts).
+    persist_requested: u64,
+    /// Highest persist sequence number written durably and acknowledged to the core.
+    persist_written: u64,
+    /// Wakes the flusher task when `persist_requested` moves past `persist_written`.
     flush: Rc<Notify>,
     /// Set when a state write failed: nothing more is granted, lockd stops.
     fatal: Option<PersistError>,
@@ -204,11 +206,12 @@ impl Driver {
         };
         for o in first.into_iter().chain(rest) {
             match o {
-                Output::Persist { seq, state } => {
-                    // Group commit: the flusher task writes the latest requested state once
-                    // every ready connection has been served; the core holds back every
-                    // event until that write is acknowledged.
-                    self.pending_persist = Some((seq, state));
+                Output::Persist { seq } => {
+                    // Group commit: the flusher task writes the latest state once every
+                    // ready connection has been served (one snapshot, built then, for all
+                    // the requests so far); the core holds back every event until the
+                    // write that covers it is acknowledged.
+                    self.persist_requested = self.persist_requested.max(seq);
                     self.flush.notify_one();
                 }
                 Output::Send { session, event } => {
@@ -317,18 +320,21 @@ impl Driver {
         }
     }
 
-    /// Durably write the pending state (if any) and acknowledge it to the core.
+    /// Durably write the current state if the core asked for a write since the last one,
+    /// and acknowledge every request up to the latest to the core (group commit: however
+    /// many requests came since the last write, one snapshot, one write, one fsync).
     fn flush_now(&mut self) {
-        let Some((seq, state)) = self.pending_persist.take() else {
-            return;
-        };
-        if self.fatal.is_some() {
+        if self.persist_requested <= self.persist_written || self.fatal.is_some() {
             return;
         }
+        // The snapshot is the core's state now: it covers every request made so far.
+        let seq = self.persist_requested;
         let t = Instant::now();
+        let state = self.core.snapshot();
         match self.state.write(&state) {
             Ok(()) => {
                 self.metrics.persist.observe(t.elapsed());
+                self.persist_written = seq;
                 self.feed(Input::Persisted { seq });
             }
             Err(e) => {
@@ -351,7 +357,7 @@ impl Driver {
         // Fast path: nothing queued or being written for this session, so the event goes
         // straight to its socket from here (no hop through the session's task). Whatever
         // the socket does not take at once is queued, in order, for the session's task.
-        if !out.busy.get() && out.tx.capacity() == out.tx.max_capacity() {
+        if !out.busy.get() && out.queue.is_empty() {
             match (out.try_write)(line.as_bytes()) {
                 Ok(n) if n == line.len() => return,
                 Ok(n) => {
@@ -361,18 +367,12 @@ impl Driver {
                 Err(_) => {}
             }
         }
-        match out.tx.try_send(line) {
-            Ok(()) => {}
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                warn!(
-                    session,
-                    "client does not read its events; disconnecting it (slow consumer)"
-                );
-                self.sessions.remove(&session);
-            }
-            Err(mpsc::error::TrySendError::Closed(_)) => {
-                self.sessions.remove(&session);
-            }
+        if !out.queue.push(line) {
+            warn!(
+                session,
+                "client does not read its events; disconnecting it (slow consumer)"
+            );
+            self.sessions.remove(&session);
         }
     }
 }
@@ -383,12 +383,83 @@ type Shared = Rc<RefCell<Driver>>;
 struct Outbound {
     /// Events the socket did not take at once, written by the session's task (bounded:
     /// `--outbound-queue`; full = slow consumer).
-    tx: mpsc::Sender<String>,
+    queue: Rc<OutQueue>,
     /// Set while the session's task holds bytes it has not finished writing; the driver
     /// then queues instead of writing, so events keep their order.
     busy: Rc<Cell<bool>>,
     /// Non-blocking write to the session's socket.
     try_write: TryWriteFn,
+}
+
+/// Events waiting for a session's task to write them: a bounded FIFO that allocates
+/// nothing while empty (most sessions, most of the time), unlike a channel's first block.
+struct OutQueue {
+    /// The lines, oldest first.
+    lines: RefCell<std::collections::VecDeque<String>>,
+    /// Most lines held (`--outbound-queue`; beyond: slow consumer).
+    cap: usize,
+    /// Wakes the session's task (a line was queued, or the driver let the session go).
+    wake: Notify,
+    /// Set when the driver dropped the session's [`Outbound`].
+    closed: Cell<bool>,
+}
+
+impl OutQueue {
+    fn new(cap: usize) -> OutQueue {
+        OutQueue {
+            lines: RefCell::new(std::collections::VecDeque::new()),
+            cap: cap.max(1),
+            wake: Notify::new(),
+            closed: Cell::new(false),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.lines.borrow().is_empty()
+    }
+
+    /// Queue a line; false (nothing queued) when the queue is full.
+    fn push(&self, line: String) -> bool {
+        let mut q = self.lines.borrow_mut();
+        if q.len() >= self.cap {
+            return false;
+        }
+        q.push_back(line);
+        drop(q);
+        self.wake.notify_one();
+        true
+    }
+
+    fn try_pop(&self) -> Option<String> {
+        let mut q = self.lines.borrow_mut();
+        let l = q.pop_front();
+        if q.is_empty() && q.capacity() > 0 {
+            // Idle sessions hold no queue memory.
+            *q = std::collections::VecDeque::new();
+        }
+        l
+    }
+
+    /// The next line, waiting for one; `None` once the driver let the session go (lines
+    /// queued before that are still returned first).
+    async fn pop(&self) -> Option<String> {
+        loop {
+            if let Some(l) = self.try_pop() {
+                return Some(l);
+            }
+            if self.closed.get() {
+                return None;
+            }
+            self.wake.notified().await;
+        }
+    }
+}
+
+impl Drop for Outbound {
+    fn drop(&mut self) {
+        self.queue.closed.set(true);
+        self.queue.wake.notify_one();
+    }
 }
 
 /// A session socket's non-blocking write.
@@ -421,24 +492,49 @@ impl SharedWrite for tokio::net::tcp::OwnedWriteHalf {
 }
 
 /// The read half of a connection: bytes, and (Unix sockets) file descriptors passed with them.
+///
+/// Readiness and reading are separate so that a connection waits for bytes without holding a
+/// read buffer: the buffer is only offered once the socket is readable (see
+/// [`LineBuf::read_with`]).
 trait ConnRead: 'static {
-    /// Read bytes into `buf`; descriptors that came with them (SCM_RIGHTS) go to `fds`.
-    fn read_fds<'a>(
-        &'a mut self,
-        buf: &'a mut [u8],
-        fds: &'a mut Vec<std::os::fd::OwnedFd>,
-    ) -> impl Future<Output = std::io::Result<usize>> + 'a;
+    /// Wait until the socket may have bytes (or end-of-file) to read.
+    fn readable(&self) -> impl Future<Output = std::io::Result<()>> + '_;
+    /// Read what is there now into `buf` (`WouldBlock` if nothing); descriptors that came
+    /// with the bytes (SCM_RIGHTS) go to `fds`.
+    fn try_read_fds(
+        &mut self,
+        buf: &mut [u8],
+        fds: &mut Vec<std::os::fd::OwnedFd>,
+    ) -> std::io::Result<usize>;
+    /// Read bytes into `buf`, waiting for them; descriptors go to `fds`.
+    #[cfg_attr(not(test), allow(dead_code))]
+    async fn read_fds(
+        &mut self,
+        buf: &mut [u8],
+        fds: &mut Vec<std::os::fd::OwnedFd>,
+    ) -> std::io::Result<usize> {
+        loop {
+            self.readable().await?;
+            match self.try_read_fds(buf, fds) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                r => return r,
+            }
+        }
+    }
     /// Whether this transport can carry descriptors (anchors).
     const CARRIES_FDS: bool;
 }
 
 impl ConnRead for tokio::net::tcp::OwnedReadHalf {
-    fn read_fds<'a>(
-        &'a mut self,
-        buf: &'a mut [u8],
-        _fds: &'a mut Vec<std::os::fd::OwnedFd>,
-    ) -> impl Future<Output = std::io::Result<usize>> + 'a {
-        self.read(buf)
+    fn readable(&self) -> impl Future<Output = std::io::Result<()>> + '_ {
+        tokio::net::tcp::OwnedReadHalf::readable(self)
+    }
+    fn try_read_fds(
+        &mut self,
+        buf: &mut [u8],
+        _fds: &mut Vec<std::os::fd::OwnedFd>,
+    ) -> std::io::Result<usize> {
+        self.try_read(buf)
     }
     const CARRIES_FDS: bool = false;
 }
@@ -450,7 +546,10 @@ impl ConnRead for tokio::net::tcp::OwnedReadHalf {
 const MAX_FDS_PER_READ: usize = 253;
 
 impl ConnRead for tokio::net::unix::OwnedReadHalf {
-    async fn read_fds(
+    fn readable(&self) -> impl Future<Output = std::io::Result<()>> + '_ {
+        tokio::net::unix::OwnedReadHalf::readable(self)
+    }
+    fn try_read_fds(
         &mut self,
         buf: &mut [u8],
         fds: &mut Vec<std::os::fd::OwnedFd>,
@@ -458,9 +557,8 @@ impl ConnRead for tokio::net::unix::OwnedReadHalf {
         use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
         use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
         let s: &tokio::net::UnixStream = self.as_ref();
-        loop {
-            s.readable().await?;
-            let r = s.try_io(tokio::io::Interest::READABLE, || {
+        {
+            s.try_io(tokio::io::Interest::READABLE, || {
                 let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS_PER_READ]);
                 let mut iov = [std::io::IoSliceMut::new(&mut *buf)];
                 let msg = recvmsg::<()>(
@@ -483,11 +581,7 @@ impl ConnRead for tokio::net::unix::OwnedReadHalf {
                     }
                 }
                 Ok(msg.bytes)
-            });
-            match r {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                r => return r,
-            }
+            })
         }
     }
     const CARRIES_FDS: bool = true;
@@ -706,7 +800,8 @@ impl Server {
             armed: None,
             fatal: None,
             fatal_notify: Rc::new(Notify::new()),
-            pending_persist: None,
+            persist_requested: 0,
+            persist_written: 0,
             deferred: Vec::new(),
             log_notify: Rc::new(Notify::new()),
             flush: Rc::new(Notify::new()),
@@ -939,13 +1034,13 @@ where
     R: ConnRead,
     W: SharedWrite,
 {
-    let (tx, mut rx) = mpsc::channel::<String>(lim.outbound_queue.max(1));
+    let queue = Rc::new(OutQueue::new(lim.outbound_queue));
     let w = Rc::new(w);
     let busy = Rc::new(Cell::new(false));
     let out = {
         let w = w.clone();
         Outbound {
-            tx,
+            queue: queue.clone(),
             busy: busy.clone(),
             try_write: Box::new(move |b: &[u8]| w.try_write(b)),
         }
@@ -959,8 +1054,9 @@ where
         drv.peers.insert(id, peer.clone());
         drv.feed(Input::Connect { session: id, peer });
     }
+    // No read buffer up front: the line buffer is offered to the socket only once it is
+    // readable, and grows (and shrinks back) with what the peer sends.
     let mut lb = LineBuf::new(lim.max_line);
-    let mut buf = vec![0u8; 16 * 1024];
     let mut fds: Vec<std::os::fd::OwnedFd> = Vec::new();
     let mut got_request = false;
     let idle = tokio::time::sleep(lim.idle_timeout);
@@ -973,15 +1069,15 @@ where
     };
     let reason: String = 'outer: loop {
         tokio::select! {
-            m = rx.recv() => match m {
+            m = queue.pop() => match m {
                 Some(mut line) => {
                     // The driver must not write past these bytes until they are out.
                     busy.set(true);
                     // Coalesce whatever else is queued for this session into one write.
                     while line.len() < 64 * 1024 {
-                        match rx.try_recv() {
-                            Ok(more) => line.push_str(&more),
-                            Err(_) => break,
+                        match queue.try_pop() {
+                            Some(more) => line.push_str(&more),
+                            None => break,
                         }
                     }
                     let r = tokio::time::timeout(lim.write_timeout, write_all_shared(&*w, line.as_bytes())).await;
@@ -997,17 +1093,21 @@ where
                 }
                 None => break "closed by lockd (slow consumer)".into(),
             },
-            n = r.read_fds(&mut buf, &mut fds) => {
-                let n = match n {
+            ready = r.readable() => {
+                if let Err(e) = ready {
+                    break format!("read failed: {e}");
+                }
+                match lb.read_with(|room| r.try_read_fds(room, &mut fds)) {
                     Ok(0) => break "eof".into(),
-                    Ok(n) => n,
+                    Ok(_) => {}
+                    // Spurious readiness: wait again.
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
                     Err(e) => break format!("read failed: {e}"),
-                };
+                }
                 if fds.len() > MAX_PENDING_FDS {
                     warn!(session = id, received = fds.len(), "descriptors without anchor requests; dropping the excess");
                     fds.truncate(MAX_PENDING_FDS);
                 }
-                lb.push(&buf[..n]);
                 d.borrow_mut().busy_poll_after_request();
                 while let Some(item) = lb.next_line() {
                     let line = match item {

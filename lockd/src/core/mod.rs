@@ -112,12 +112,13 @@ pub enum Output {
         /// The event.
         event: Event,
     },
-    /// Durably write this state, then feed `Input::Persisted { seq }`.
+    /// Durably write the state ([`Core::snapshot`], taken at any time from now on: a later
+    /// snapshot covers this request too), then feed `Input::Persisted { seq }` with the
+    /// highest `seq` that the written snapshot covers. The snapshot is not built here: a
+    /// driver that coalesces many requests into one write (group commit) builds it once.
     Persist {
         /// Sequence number to acknowledge.
         seq: u64,
-        /// The full state to write.
-        state: PersistedState,
     },
     /// A lease change, for logs and metrics (watchers get their own `Send`s).
     Notice {
@@ -253,7 +254,6 @@ impl Core {
             self.seq_requested += 1;
             out.push(Output::Persist {
                 seq: self.seq_requested,
-                state: self.snapshot(),
             });
         }
         let tag = self.seq_requested;
@@ -364,9 +364,10 @@ mod tests {
             1,
             "only the persist request leaves before the write: {out:?}"
         );
-        let Output::Persist { seq, state } = &out[0] else {
+        let Output::Persist { seq } = &out[0] else {
             panic!("{out:?}")
         };
+        let state = h.core.snapshot();
         assert_eq!(state.resources["e"].epoch, 1);
         assert_eq!(state.resources["e"].holder.as_ref().unwrap().name, "a");
         // Other inputs before the ack stay behind the grant.

@@ -86,8 +86,8 @@ impl H {
         while let Some(i) = q.pop() {
             for o in self.raw(i) {
                 match o {
-                    Output::Persist { seq, state } => {
-                        self.persisted = Some(state);
+                    Output::Persist { seq } => {
+                        self.persisted = Some(self.core.snapshot());
                         self.persists += 1;
                         q.push(Input::Persisted { seq });
                     }

@@ -85,7 +85,7 @@ impl Model {
         let outs = self.core.step(self.now(), i);
         for o in outs {
             match o {
-                Output::Persist { seq, state } => self.unwritten = Some((seq, state)),
+                Output::Persist { seq } => self.unwritten = Some((seq, self.core.snapshot())),
                 Output::Send { session, event } => self.check_send(session, event)?,
                 Output::Notice { .. } => {}
             }
