@@ -534,7 +534,7 @@ def mutations(docs):
         ("router /healthz counts backup servers (a sleeping shadow makes the pod Ready)",
          "{ srv_is_up(engines/engine-0) } || { srv_is_up(engines/engine-1) }", "{ nbsrv(engines) ge 1 }"),
         ("router check fall 1", "fall 3", "fall 1"),
-        ("router pauses 1s before a retry", "timeout connect 20ms", "timeout connect 2s"),
+        ("router pauses 1s before a retry", "timeout connect 5ms", "timeout connect 2s"),
     ]:
         d = copy.deepcopy(docs)
         cfg_edit(d, a, b)

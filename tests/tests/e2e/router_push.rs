@@ -49,7 +49,7 @@ fn config(socket: &Path, front: u16, engines: &[(u32, SocketAddr, SocketAddr)]) 
     }
     format!(
         "global\n  stats socket {} mode 600 level admin\n\
-         defaults\n  mode http\n  timeout connect 20ms\n  timeout client 30s\n  timeout server 30s\n  timeout check 1s\n\
+         defaults\n  mode http\n  timeout connect 5ms\n  timeout client 30s\n  timeout server 30s\n  timeout check 1s\n\
          \x20 option http-buffer-request\n  retries 3\n  option redispatch 1\n  retry-on conn-failure empty-response junk-response 502 503\n\
          frontend openai\n  bind 127.0.0.1:{front}\n  default_backend engines\n\
          backend engines\n  option httpchk GET /ready\n  http-check expect status 200\n  default-server inter 1s fall 3 rise 1\n{servers}",
