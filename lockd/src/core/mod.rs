@@ -337,13 +337,15 @@ impl Core {
     }
 }
 
-/// Constant-time string comparison for secrets.
-fn ct_eq(a: &str, b: &str) -> bool {
+/// Constant-time string comparison for secrets (reclaim tokens, admin tokens, lease tokens
+/// of every kind); the length is not secret.
+pub(crate) fn ct_eq(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
     if a.len() != b.len() {
         return false;
     }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
 }
 
 #[cfg(test)]

@@ -101,6 +101,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::selector::{Attributes, Selector};
+use crate::core::ct_eq;
 
 /// Identifies a lease (and, while it waits, its request); chosen by the caller.
 pub type LeaseId = u64;
@@ -447,16 +448,6 @@ pub struct QuantityManager {
 
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
-/// Constant-time string equality (length is not secret).
-fn ct_eq(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    if a.len() != b.len() {
-        return false;
-    }
-    let diff = a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y));
-    std::hint::black_box(diff) == 0
 }
 
 fn check_duration(d: Duration, what: &'static str) -> Result<(), QuantityError> {
