@@ -248,7 +248,7 @@ pub fn status_line(socket: &Path, timeout: Duration) -> Result<String, LockdErro
     s.set_read_timeout(t)?;
     s.set_write_timeout(t)?;
     let mut w = s.try_clone()?;
-    w.write_all(encode_request(&Request::Status).as_bytes())?;
+    w.write_all(encode_request(&Request::Status { sessions: None }).as_bytes())?;
     let mut r = BufReader::new(s);
     let end = Instant::now() + timeout;
     loop {

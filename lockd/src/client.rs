@@ -660,11 +660,11 @@ impl Task {
                         }));
                     }
                     for (r, (holder, wait)) in &self.waiting {
-                        out.push_str(&proto::encode_request(&Request::Acquire {
-                            resource: r.clone(),
-                            holder: holder.clone(),
-                            wait: *wait,
-                        }));
+                        out.push_str(&proto::encode_request(&Request::acquire(
+                            r.clone(),
+                            holder.clone(),
+                            *wait,
+                        )));
                     }
                     if s.write_all(out.as_bytes()).await.is_ok() {
                         return Some(s);
@@ -757,9 +757,9 @@ impl Task {
                             return Flow::Closed;
                         }
                         Some(Cmd::Acquire { resource, holder, wait, ack }) => {
-                            let l = proto::encode_request(&Request::Acquire {
-                                resource: resource.clone(), holder: holder.clone(), wait,
-                            });
+                            let l = proto::encode_request(&Request::acquire(
+                                resource.clone(), holder.clone(), wait,
+                            ));
                             self.waiting.insert(resource, (holder, wait));
                             let _ = ack.send(());
                             l
@@ -771,7 +771,7 @@ impl Task {
                                 self.lost_deadline = None;
                             }
                             let _ = ack.send(());
-                            proto::encode_request(&Request::Release { resource })
+                            proto::encode_request(&Request::release(resource))
                         }
                         Some(Cmd::Anchor { fd, ack }) => {
                             let r = s.send_anchor(&fd).await;
@@ -804,7 +804,9 @@ impl Task {
             }
         };
         match ev {
-            Event::Queued { resource, position } => {
+            Event::Queued {
+                resource, position, ..
+            } => {
                 self.emit(LockEvent::Queued { resource, position })
             }
             Event::Busy { resource, holder } => {
@@ -817,6 +819,7 @@ impl Task {
                 epoch,
                 token,
                 reclaimed,
+                ..
             } => {
                 // A grant the owner no longer wants (released/cancelled while the answer was in
                 // flight): lockd processes our release right after it, so drop it silently.
@@ -893,6 +896,8 @@ impl Task {
             | Event::Watching {}
             | Event::Notice(_)
             | Event::Pong {} => {}
+            // Version-2 events answer version-2 requests, which this client does not send.
+            _ => {}
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod core;
 pub mod kinds;
 pub mod line;
 pub mod metrics;
+pub mod offers_file;
 pub mod persist;
 pub mod proto;
 pub mod server;

@@ -131,6 +131,16 @@ struct ServeArgs {
     /// much CPU per request; an idle lockd never spins.
     #[arg(long, env = "LOCKD_BUSY_POLL", default_value = "100us", value_parser = humantime::parse_duration)]
     busy_poll: Duration,
+    /// Longest TTL / lease time granted to TTL, timed shared and quantity leases (what a
+    /// request asks for beyond it is cut to it).
+    #[arg(long, env = "LOCKD_MAX_LEASE_TIME", default_value = "1h", value_parser = humantime::parse_duration)]
+    max_lease_time: Duration,
+    /// Quantity leases: renewals never extend a lease past its first grant plus this.
+    #[arg(long, env = "LOCKD_MAX_TOTAL_LEASE_TIME", default_value = "24h", value_parser = humantime::parse_duration)]
+    max_total_lease_time: Duration,
+    /// Offers of quantity pools to set at startup (JSON, see PROTOCOL.md "Offers file").
+    #[arg(long, env = "LOCKD_OFFERS")]
+    offers: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -251,6 +261,16 @@ async fn serve(a: ServeArgs) -> ExitCode {
         outbound_queue: a.outbound_queue,
         write_timeout: a.write_timeout,
         busy_poll: a.busy_poll,
+        max_lease_time: a.max_lease_time,
+        max_total_lease_time: a.max_total_lease_time,
+        offers: match a.offers.as_deref().map(lockd::offers_file::load) {
+            None => Vec::new(),
+            Some(Ok(o)) => o,
+            Some(Err(e)) => {
+                eprintln!("lockd: {e}");
+                return ExitCode::from(EXIT_ERROR);
+            }
+        },
     };
     let server = match Server::bind(cfg).await {
         Ok(s) => s,
@@ -339,7 +359,7 @@ fn one_shot(ep: &Endpoint, req: &Request) -> std::result::Result<serde_json::Val
 }
 
 fn status(ep: &Endpoint) -> std::result::Result<(), Fail> {
-    let mut v = one_shot(ep, &Request::Status)?;
+    let mut v = one_shot(ep, &Request::Status { sessions: None })?;
     if let Some(f) = err_of(&v) {
         return Err(f);
     }
@@ -358,11 +378,7 @@ fn revoke(
 ) -> std::result::Result<(), Fail> {
     let v = one_shot(
         ep,
-        &Request::Revoke {
-            resource,
-            reason: Some(reason),
-            admin_token,
-        },
+        &Request::revoke(resource, Some(reason), admin_token),
     )?;
     if let Some(f) = err_of(&v) {
         return Err(f);

@@ -4,6 +4,8 @@
 //! Decoding never panics: every byte string maps to a [`Request`] or a [`DecodeError`]
 //! (checked by the proptest in `tests/proto_proptest.rs` and the fuzz target in `fuzz/`).
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 /// Protocol version announced in the `hello` event. Version 2 is version 1 plus optional
@@ -12,9 +14,8 @@ use serde::{Deserialize, Serialize};
 pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Protocol-2 extensions this lockd serves, announced in `hello` (`features`). A client uses
-/// an extension only when its name is listed: the lease kinds to come are `ttl`, `shared`
-/// and `quantity` (see PROTOCOL.md, "Version 2"). None is served yet.
-pub const FEATURES: &[&str] = &[];
+/// an extension only when its name is listed (see PROTOCOL.md, "Version 2").
+pub const FEATURES: &[&str] = &["ttl", "shared", "quantity"];
 /// Default bound on one line (request or event), newline excluded.
 pub const DEFAULT_MAX_LINE: usize = 64 * 1024;
 /// Longest accepted resource or holder name, in bytes.
@@ -33,6 +34,10 @@ pub enum Request {
         /// Queue when the resource is taken (default true).
         #[serde(default = "default_true")]
         wait: bool,
+        /// Version 2 (`ttl`, `shared`, `quantity`): the kind of lease asked for. Absent: the
+        /// version-1 connection-bound exclusive lease.
+        #[serde(flatten)]
+        ext: AcquireExt,
     },
     /// After a reconnect: take back a lease granted to a previous connection.
     Reclaim {
@@ -45,15 +50,27 @@ pub enum Request {
         /// The secret token handed out with the grant.
         token: String,
     },
-    /// Give up a held lease, or cancel a queued acquire.
+    /// Give up a held lease, or cancel a queued acquire: by `resource` (the leases of this
+    /// connection on it) or, version 2, by `lease_id` + `token` (from any connection).
     Release {
         /// The resource to release.
-        resource: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        resource: Option<String>,
+        /// Version 2: the lease (or queued request) to end.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lease_id: Option<u64>,
+        /// Version 2: the lease's token (with `lease_id`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<String>,
     },
     /// Operator action: tell the holder to fence itself and let go.
     Revoke {
-        /// The resource whose lease is revoked.
-        resource: String,
+        /// The resource whose lease is revoked (or, version 2, `lease_id`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        resource: Option<String>,
+        /// Version 2: the lease to revoke (any kind).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lease_id: Option<u64>,
         /// Free text passed on to the holder.
         #[serde(default)]
         reason: Option<String>,
@@ -62,7 +79,12 @@ pub enum Request {
         admin_token: Option<String>,
     },
     /// Ask for a `status` event.
-    Status,
+    Status {
+        /// Version 2: `false` leaves out the per-session list (`session_count` instead),
+        /// which is most of the answer with thousands of sessions. Default `true`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sessions: Option<bool>,
+    },
     /// Subscribe this connection to `notice` events.
     Watch,
     /// Liveness check; answered with `pong`.
@@ -74,6 +96,197 @@ pub enum Request {
     /// any process holding the other end lives, even after the connection is gone.
     /// Answered with `anchored`.
     Anchor,
+    /// Version 2 (`ttl`, `quantity`, timed `shared`): extend a lease's deadline.
+    Renew {
+        /// The lease.
+        lease_id: u64,
+        /// Its token.
+        token: String,
+        /// A new TTL / lease time to ask for (default: the one granted).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ttl_ms: Option<u64>,
+    },
+    /// Version 2 (`shared`): the exclusive holder publishes a new version of the resource.
+    Commit {
+        /// The exclusive lease.
+        lease_id: u64,
+        /// Its token.
+        token: String,
+    },
+    /// Version 2: take up a lease from this connection after the previous one (or the
+    /// client process) is gone: TTL and quantity leases, and connection-bound shared leases
+    /// waiting in their reconnect window after a lockd restart.
+    Resume {
+        /// The lease.
+        lease_id: u64,
+        /// Its token.
+        token: String,
+    },
+    /// Version 2: what lockd knows of a lease id (live, or ended and still remembered).
+    Lease {
+        /// The lease.
+        lease_id: u64,
+    },
+    /// Version 2: the live leases of every kind, optionally of one resource or holder.
+    Leases {
+        /// Only this resource (or pool).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        resource: Option<String>,
+        /// Only this holder name.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        holder: Option<String>,
+    },
+    /// Version 2 (`quantity`): add or change an offer of a pool (admin, like `revoke`).
+    Offer {
+        /// The pool (a resource name used with `quantity`).
+        pool: String,
+        /// The offer's name, unique in the pool.
+        name: String,
+        /// How much it offers.
+        quantity: u32,
+        /// Its attributes (requests' requirements match them).
+        #[serde(default)]
+        attributes: BTreeMap<String, String>,
+        /// The longest lease it allows, in ms.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_lease_time_ms: Option<u64>,
+        /// What it requires of requests' attributes (label-selector text).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        requirements: Option<String>,
+        /// Required over TCP: lockd's `--admin-token`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        admin_token: Option<String>,
+    },
+    /// Version 2 (`quantity`): withdraw an offer (its leases run out; renewals refused).
+    Withdraw {
+        /// The pool.
+        pool: String,
+        /// The offer.
+        name: String,
+        /// Required over TCP: lockd's `--admin-token`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        admin_token: Option<String>,
+    },
+}
+
+/// The version-2 fields of `acquire`. All absent: a version-1 acquire.
+///
+/// * `quantity` (feature `quantity`): a quantity lease from the offers of the pool named by
+///   `resource`, lease time `ttl_ms` (optional), `requirements` on offers, `attributes`
+///   that offers' requirements match;
+/// * else `mode` (feature `shared`): a shared or exclusive lease with versions, bound to the
+///   connection, or to a TTL with `ttl_ms`; `min_version` (shared only) waits for a version;
+/// * else `ttl_ms` (feature `ttl`): an exclusive lease that outlives its connection and
+///   ends unless renewed within `ttl_ms`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AcquireExt {
+    /// TTL (or, for quantity leases, the lease time asked for), in ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
+    /// Shared or exclusive (feature `shared`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<Mode>,
+    /// Shared: wait until the resource's version is at least this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_version: Option<u64>,
+    /// Quantity asked for from the pool `resource` (feature `quantity`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantity: Option<u32>,
+    /// Quantity: label selector (text form) the offers' attributes must match.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requirements: Option<String>,
+    /// Quantity: this request's attributes (matched by the offers' requirements).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attributes: Option<BTreeMap<String, String>>,
+}
+
+impl AcquireExt {
+    /// The kind of lease this asks for.
+    pub fn kind(&self) -> LeaseKind {
+        if self.quantity.is_some() {
+            LeaseKind::Quantity
+        } else if self.mode.is_some() {
+            LeaseKind::Shared
+        } else if self.ttl_ms.is_some() {
+            LeaseKind::Ttl
+        } else {
+            LeaseKind::Exclusive
+        }
+    }
+}
+
+/// Shared or exclusive access (feature `shared`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Many readers of the current version.
+    Shared,
+    /// One writer; its `commit` bumps the version.
+    Exclusive,
+}
+
+/// What kind of lease a lease is: which part of the core decides when it starts and ends.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum LeaseKind {
+    /// Version 1's lease: one holder, bound to its connection (and anchors).
+    #[default]
+    Exclusive,
+    /// One holder, outlives its connection, ends unless renewed in time.
+    Ttl,
+    /// Shared/exclusive with versions (bound to the connection, or to a TTL).
+    Shared,
+    /// A quantity of a pool, from one or several offers, for a lease time.
+    Quantity,
+}
+
+impl LeaseKind {
+    /// The wire string.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            LeaseKind::Exclusive => "exclusive",
+            LeaseKind::Ttl => "ttl",
+            LeaseKind::Shared => "shared",
+            LeaseKind::Quantity => "quantity",
+        }
+    }
+}
+
+impl Request {
+    /// A version-1 `acquire`.
+    pub fn acquire(resource: impl Into<String>, holder: impl Into<String>, wait: bool) -> Request {
+        Request::Acquire {
+            resource: resource.into(),
+            holder: holder.into(),
+            wait,
+            ext: AcquireExt::default(),
+        }
+    }
+
+    /// A version-1 `release` of this connection's lease (or queued acquire) on `resource`.
+    pub fn release(resource: impl Into<String>) -> Request {
+        Request::Release {
+            resource: Some(resource.into()),
+            lease_id: None,
+            token: None,
+        }
+    }
+
+    /// A version-1 `revoke`.
+    pub fn revoke(
+        resource: impl Into<String>,
+        reason: Option<String>,
+        admin_token: Option<String>,
+    ) -> Request {
+        Request::Revoke {
+            resource: Some(resource.into()),
+            lease_id: None,
+            reason,
+            admin_token,
+        }
+    }
 }
 
 fn default_true() -> bool {
@@ -82,7 +295,8 @@ fn default_true() -> bool {
 
 /// The `op` names this protocol version knows.
 pub const KNOWN_OPS: &[&str] = &[
-    "acquire", "reclaim", "release", "revoke", "status", "watch", "ping", "anchor",
+    "acquire", "reclaim", "release", "revoke", "status", "watch", "ping", "anchor", "renew",
+    "commit", "resume", "lease", "leases", "offer", "withdraw",
 ];
 
 /// Why a line could not be turned into a [`Request`].
@@ -169,21 +383,139 @@ fn check_name(what: &str, s: &str) -> Result<(), DecodeError> {
     Ok(())
 }
 
+/// Longest TTL / lease time accepted on the wire (one year).
+pub const MAX_TTL_MS: u64 = 365 * 24 * 3600 * 1000;
+
+fn check_ttl(ttl: Option<u64>) -> Result<(), DecodeError> {
+    match ttl {
+        Some(0) => Err(DecodeError::Invalid("ttl_ms must be positive".into())),
+        Some(t) if t > MAX_TTL_MS => Err(DecodeError::Invalid(format!(
+            "ttl_ms longer than {MAX_TTL_MS} (one year)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+fn check_selector(text: Option<&str>) -> Result<(), DecodeError> {
+    if let Some(t) = text {
+        crate::kinds::selector::Selector::parse(t)
+            .map_err(|e| DecodeError::Invalid(format!("requirements: {e}")))?;
+    }
+    Ok(())
+}
+
+fn check_attributes(attrs: Option<&BTreeMap<String, String>>) -> Result<(), DecodeError> {
+    for (k, v) in attrs.into_iter().flatten() {
+        check_name("attribute key", k)?;
+        check_name("attribute value", v)?;
+    }
+    Ok(())
+}
+
+/// Exactly one of `resource` / `lease_id`; a `lease_id` of `release` needs its `token`.
+fn check_target(
+    resource: Option<&str>,
+    lease_id: Option<u64>,
+    token: Option<&str>,
+    need_token: bool,
+) -> Result<(), DecodeError> {
+    match (resource, lease_id) {
+        (Some(r), None) => check_name("resource", r),
+        (None, Some(_)) if need_token && token.is_none() => {
+            Err(DecodeError::Malformed("lease_id needs its token".into()))
+        }
+        (None, Some(_)) => Ok(()),
+        (Some(_), Some(_)) => Err(DecodeError::Malformed(
+            "give resource or lease_id, not both".into(),
+        )),
+        (None, None) => Err(DecodeError::Malformed(
+            "missing field `resource` (or `lease_id`)".into(),
+        )),
+    }
+}
+
 fn validate(req: &Request) -> Result<(), DecodeError> {
     match req {
         Request::Acquire {
-            resource, holder, ..
+            resource,
+            holder,
+            ext,
+            ..
+        } => {
+            check_name("resource", resource)?;
+            check_name("holder", holder)?;
+            check_ttl(ext.ttl_ms)?;
+            if ext.quantity == Some(0) {
+                return Err(DecodeError::Invalid("quantity must be positive".into()));
+            }
+            if ext.min_version.is_some() && ext.mode != Some(Mode::Shared) {
+                return Err(DecodeError::Invalid(
+                    "min_version applies to mode \"shared\" only".into(),
+                ));
+            }
+            if ext.quantity.is_some() && ext.mode.is_some() {
+                return Err(DecodeError::Invalid(
+                    "quantity and mode do not combine (a pool has no modes)".into(),
+                ));
+            }
+            if ext.quantity.is_none() && (ext.requirements.is_some() || ext.attributes.is_some())
+            {
+                return Err(DecodeError::Invalid(
+                    "requirements and attributes go with quantity".into(),
+                ));
+            }
+            check_selector(ext.requirements.as_deref())?;
+            check_attributes(ext.attributes.as_ref())
         }
-        | Request::Reclaim {
+        Request::Reclaim {
             resource, holder, ..
         } => {
             check_name("resource", resource)?;
             check_name("holder", holder)
         }
-        Request::Release { resource } | Request::Revoke { resource, .. } => {
-            check_name("resource", resource)
+        Request::Release {
+            resource,
+            lease_id,
+            token,
+        } => check_target(resource.as_deref(), *lease_id, token.as_deref(), true),
+        Request::Revoke {
+            resource, lease_id, ..
+        } => check_target(resource.as_deref(), *lease_id, None, false),
+        Request::Renew { ttl_ms, .. } => check_ttl(*ttl_ms),
+        Request::Leases { resource, holder } => {
+            if let Some(r) = resource {
+                check_name("resource", r)?;
+            }
+            if let Some(h) = holder {
+                check_name("holder", h)?;
+            }
+            Ok(())
         }
-        Request::Status | Request::Watch | Request::Ping | Request::Anchor => Ok(()),
+        Request::Offer {
+            pool,
+            name,
+            attributes,
+            requirements,
+            max_lease_time_ms,
+            ..
+        } => {
+            check_name("pool", pool)?;
+            check_name("offer name", name)?;
+            check_ttl(*max_lease_time_ms)?;
+            check_selector(requirements.as_deref())?;
+            check_attributes(Some(attributes))
+        }
+        Request::Withdraw { pool, name, .. } => {
+            check_name("pool", pool)?;
+            check_name("offer name", name)
+        }
+        Request::Status { .. }
+        | Request::Watch
+        | Request::Ping
+        | Request::Anchor
+        | Request::Commit { .. }
+        | Request::Resume { .. }
+        | Request::Lease { .. } => Ok(()),
     }
 }
 
@@ -227,6 +559,25 @@ pub enum ErrorCode {
     /// anchor: no file descriptor came with the request, the transport cannot carry one
     /// (TCP), or the descriptor is not a stream socket.
     AnchorRefused,
+    /// Version 2: the resource is in use by a lease of another kind.
+    KindMismatch,
+    /// Version 2: no live lease (or waiting request) has this id.
+    UnknownLease,
+    /// Version 2: the token does not match the lease.
+    BadToken,
+    /// Version 2: the lease has ended (expired, revoked, released): re-acquire.
+    LeaseEnded,
+    /// Version 2: renewal refused (max total lease time reached, or an offer shrank).
+    RenewalRefused,
+    /// Version 2: the request cannot be granted now (`wait:false`) from the pool's offers.
+    Unavailable,
+    /// Version 2: the pool's matching offers can never grant this quantity.
+    Unsatisfiable,
+    /// Version 2: commit by a lease that is not the exclusive holder (or not a shared-kind
+    /// lease), renew of a lease without a deadline, and similar mismatches.
+    WrongLease,
+    /// Version 2: offer/withdraw: unknown offer, or an invalid one.
+    BadOffer,
 }
 
 impl ErrorCode {
@@ -247,6 +598,15 @@ impl ErrorCode {
             ErrorCode::IdleTimeout => "idle_timeout",
             ErrorCode::ShuttingDown => "shutting_down",
             ErrorCode::AnchorRefused => "anchor_refused",
+            ErrorCode::KindMismatch => "kind_mismatch",
+            ErrorCode::UnknownLease => "unknown_lease",
+            ErrorCode::BadToken => "bad_token",
+            ErrorCode::LeaseEnded => "lease_ended",
+            ErrorCode::RenewalRefused => "renewal_refused",
+            ErrorCode::Unavailable => "unavailable",
+            ErrorCode::Unsatisfiable => "unsatisfiable",
+            ErrorCode::WrongLease => "wrong_lease",
+            ErrorCode::BadOffer => "bad_offer",
         }
     }
 }
@@ -263,6 +623,8 @@ pub enum NoticeKind {
     Expired,
     /// An operator revoked a lease (it stays held until its connection closes).
     Revoked,
+    /// Version 2: an exclusive holder committed a new version of a shared resource.
+    Committed,
 }
 
 /// One lease change, as streamed to watchers and logged.
@@ -290,6 +652,15 @@ pub struct Notice {
     pub reason: Option<String>,
     /// Wall clock of the change, milliseconds since the Unix epoch.
     pub at_unix_ms: u64,
+    /// Version 2: the lease's id (absent for version-1 leases).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_id: Option<u64>,
+    /// Version 2: the lease's kind (absent for version-1 leases).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_kind: Option<LeaseKind>,
+    /// Version 2: shared leases: the resource's version (after a commit, the new one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<u64>,
 }
 
 /// Peer identity of a session, shown in status and logs.
@@ -411,9 +782,179 @@ pub struct StatusReport {
     pub resources: Vec<ResourceReport>,
     /// Counters.
     pub counters: Counters,
-    /// Connected sessions.
+    /// Connected sessions (omitted when the request said `"sessions":false`).
     #[serde(default)]
     pub sessions: Vec<SessionReport>,
+    /// Version 2: how many sessions there are (always given when `sessions` is omitted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_count: Option<usize>,
+    /// Version 2: live leases of the kinds `ttl`, `shared` and `quantity`, and their
+    /// waiting requests (omitted when there are none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub leases: Vec<LeaseReport>,
+    /// Version 2: quantity pools (omitted when there are none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pools: Vec<PoolReport>,
+    /// Version 2: counters of each lease kind other than `exclusive` that has been used.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub counters_by_kind: BTreeMap<LeaseKind, KindCounters>,
+}
+
+/// Counters of one lease kind (persisted).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KindCounters {
+    /// Leases granted.
+    pub grants: u64,
+    /// Leases released by their holder (or their connection's close).
+    pub releases: u64,
+    /// Leases that ran out (TTL, lease time, reconnect window).
+    pub expirations: u64,
+    /// Leases revoked (by an operator, or lockd), counted apart from expirations.
+    pub revocations: u64,
+    /// Renewals accepted.
+    pub renewals: u64,
+    /// Renewals refused (ended lease, max total lease time, shrunk offer).
+    pub renewals_refused: u64,
+    /// Commits (shared leases: new versions).
+    pub commits: u64,
+}
+
+/// The version-2 fields of `granted` (and of lease reports). All absent for a
+/// version-1 lease, so version-1 replies are unchanged byte for byte.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseFields {
+    /// The lease's id (unique for the life of the state file, never reused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_id: Option<u64>,
+    /// Its kind.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<LeaseKind>,
+    /// Shared leases: the mode granted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<Mode>,
+    /// Shared leases: the resource's version at grant time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<u64>,
+    /// TTL, timed shared and quantity leases: the TTL / lease time in ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
+    /// TTL, timed shared and quantity leases: the deadline (ms since the Unix epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at_unix_ms: Option<u64>,
+    /// Quantity leases: how much.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantity: Option<u32>,
+    /// Quantity leases: from which offers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocations: Option<Vec<AllocationReport>>,
+}
+
+/// A part of a quantity lease: this much from that offer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocationReport {
+    /// The offer.
+    pub offer: String,
+    /// How much of it.
+    pub quantity: u32,
+}
+
+/// One lease (or waiting request, or remembered end) as `lease`, `leases` and `status`
+/// report it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseReport {
+    /// The lease id.
+    pub lease_id: u64,
+    /// `held`, `waiting`, `reclaiming` (restored, waiting to be resumed), `expired`,
+    /// `revoked`, `released`, or `unknown` (never existed, or forgotten).
+    pub state: String,
+    /// Its kind (absent for `unknown`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<LeaseKind>,
+    /// Its resource (or pool).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource: Option<String>,
+    /// Its holder name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<String>,
+    /// Its fencing epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<u64>,
+    /// Ended leases: why (`released`, `expired`, `revoked:<by>:<why>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Ended leases: when (ms since the Unix epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at_unix_ms: Option<u64>,
+    /// When it was granted (ms since the Unix epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub granted_at_unix_ms: Option<u64>,
+    /// The session it is bound to (events go there), if one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<u64>,
+    /// Quantity leases: the offer whose shrinking refuses its renewals.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renewal_refused: Option<String>,
+    /// Kind-specific fields.
+    #[serde(flatten)]
+    pub lease: LeaseFields,
+}
+
+impl LeaseReport {
+    /// The report of an id lockd does not know (never existed, or forgotten).
+    pub fn unknown(lease_id: u64) -> LeaseReport {
+        LeaseReport {
+            lease_id,
+            state: "unknown".into(),
+            kind: None,
+            resource: None,
+            holder: None,
+            epoch: None,
+            reason: None,
+            ended_at_unix_ms: None,
+            granted_at_unix_ms: None,
+            session: None,
+            renewal_refused: None,
+            lease: LeaseFields::default(),
+        }
+    }
+}
+
+/// One offer of a pool, as set and as used.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OfferReport {
+    /// The offer's name.
+    pub name: String,
+    /// The quantity offered.
+    pub quantity: u32,
+    /// Its capacity now (its quantity, or 0 once withdrawn).
+    pub capacity: u64,
+    /// Allocated to live leases.
+    pub allocated: u64,
+    /// Withdrawn, kept until its last lease ends.
+    #[serde(default)]
+    pub removed: bool,
+    /// Its attributes.
+    #[serde(default)]
+    pub attributes: BTreeMap<String, String>,
+    /// Longest lease it allows, in ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_lease_time_ms: Option<u64>,
+    /// What it requires of requests (label-selector text; empty: anything).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub requirements: String,
+}
+
+/// A pool of quantity leases, as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolReport {
+    /// The pool's name.
+    pub name: String,
+    /// Its offers.
+    pub offers: Vec<OfferReport>,
+    /// Live leases.
+    pub leases: usize,
+    /// Requests waiting.
+    pub waiting: usize,
 }
 
 /// An event from the server.
@@ -438,6 +979,9 @@ pub enum Event {
         resource: String,
         /// 1-based place in the queue.
         position: usize,
+        /// Version 2: the id the lease will have (cancel with `release` by `lease_id`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lease_id: Option<u64>,
     },
     /// Answer to acquire(wait=false) when the resource is taken.
     Busy {
@@ -458,6 +1002,9 @@ pub enum Event {
         token: String,
         /// True when this is a reclaim of an earlier lease.
         reclaimed: bool,
+        /// Version 2: what kind of lease, its id, deadline, version, allocations.
+        #[serde(flatten)]
+        lease: LeaseFields,
     },
     /// Answer to release of a held lease.
     Released {
@@ -465,6 +1012,9 @@ pub enum Event {
         resource: String,
         /// Epoch of the lease that ended.
         epoch: u64,
+        /// Version 2: the lease that ended.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lease_id: Option<u64>,
     },
     /// Answer to release of a queued (not yet granted) acquire.
     Cancelled {
@@ -501,6 +1051,80 @@ pub enum Event {
     Anchored {
         /// Open anchors of this session, the new one included.
         anchors: u32,
+    },
+    /// Version 2: answer to `renew`.
+    Renewed {
+        /// The lease.
+        lease_id: u64,
+        /// Its resource (or pool).
+        resource: String,
+        /// Its new deadline (ms since the Unix epoch).
+        expires_at_unix_ms: u64,
+    },
+    /// Version 2: answer to `commit`: the resource's new version (durable).
+    Committed {
+        /// The lease.
+        lease_id: u64,
+        /// Its resource.
+        resource: String,
+        /// The new version.
+        version: u64,
+    },
+    /// Version 2: a lease of this connection (or resumed by it) ended without its asking:
+    /// its TTL ran out, it was revoked, or (shared) its reconnect window ended.
+    LeaseEnded {
+        /// The lease.
+        lease_id: u64,
+        /// Its resource (or pool).
+        resource: String,
+        /// Its epoch.
+        epoch: u64,
+        /// `expired`, `revoked:<by>:<why>`, `released`.
+        reason: String,
+    },
+    /// Version 2: answer to `lease`.
+    Lease(LeaseReport),
+    /// Version 2: answer to `leases`.
+    Leases {
+        /// Live leases (and waiting requests), by lease id.
+        leases: Vec<LeaseReport>,
+    },
+    /// Version 2: answer to `offer`.
+    Offered {
+        /// The pool.
+        pool: String,
+        /// The offer as now set.
+        offer: OfferReport,
+        /// Leases whose renewals are now refused (the offer shrank below its allocations).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        renewal_refused: Vec<u64>,
+    },
+    /// Version 2: answer to `withdraw`.
+    Withdrawn {
+        /// The pool.
+        pool: String,
+        /// The offer.
+        name: String,
+        /// Leases whose renewals are now refused (they run out on their own).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        renewal_refused: Vec<u64>,
+    },
+    /// Version 2: your quantity lease will not be renewed: `offer` shrank or went away.
+    /// Finish before `expires_at_unix_ms`.
+    RenewalRefused {
+        /// The lease.
+        lease_id: u64,
+        /// Its pool.
+        resource: String,
+        /// The offer that shrank.
+        offer: String,
+    },
+    /// Version 2: capacity came back; your quantity lease may be renewed again.
+    RenewalAllowed {
+        /// The lease.
+        lease_id: u64,
+        /// Its pool.
+        resource: String,
     },
     /// Something went wrong with a request (or the connection is about to be closed).
     Error {
@@ -547,11 +1171,7 @@ mod tests {
         let r = decode_request(br#"{"op":"acquire","resource":"e","holder":"a"}"#, 1024).unwrap();
         assert_eq!(
             r,
-            Request::Acquire {
-                resource: "e".into(),
-                holder: "a".into(),
-                wait: true
-            }
+            Request::acquire("e", "a", true)
         );
     }
 
@@ -629,6 +1249,10 @@ mod tests {
                 resources: vec![report],
                 counters: Counters::default(),
                 sessions: vec![],
+                session_count: None,
+                leases: vec![],
+                pools: vec![],
+                counters_by_kind: BTreeMap::new(),
             })
             .encode();
             assert!(status.contains(&format!(r#""state":"{wire}""#)), "{status}");
@@ -659,6 +1283,7 @@ mod tests {
                 epoch: 9,
                 token: "t".into(),
                 reclaimed: false,
+                lease: LeaseFields::default(),
             },
             Event::Watching {},
             Event::Pong {},
@@ -667,6 +1292,10 @@ mod tests {
                 resources: vec![],
                 counters: Counters::default(),
                 sessions: vec![],
+                session_count: None,
+                leases: vec![],
+                pools: vec![],
+                counters_by_kind: BTreeMap::new(),
             }),
         ];
         for e in evs {
@@ -678,7 +1307,7 @@ mod tests {
 
     #[test]
     fn hello_announces_version_2_and_version_1_events_are_byte_for_byte_unchanged() {
-        // Version 2 without extensions: only the version number differs from version 1.
+        // Version 2: the version number and the features differ from version 1.
         let hello = Event::Hello {
             server: "lockd".into(),
             version: PROTOCOL_VERSION,
@@ -688,7 +1317,8 @@ mod tests {
         assert_eq!(PROTOCOL_VERSION, 2);
         assert_eq!(
             hello.encode(),
-            "{\"event\":\"hello\",\"server\":\"lockd\",\"version\":2,\"session\":7}\n"
+            "{\"event\":\"hello\",\"server\":\"lockd\",\"version\":2,\"session\":7,\
+             \"features\":[\"ttl\",\"shared\",\"quantity\"]}\n"
         );
         // A version-1 hello (no `features`) still decodes.
         assert!(matches!(
@@ -704,6 +1334,7 @@ mod tests {
                     epoch: 5,
                     token: "3f0c".into(),
                     reclaimed: false,
+                    lease: LeaseFields::default(),
                 },
                 r#"{"event":"granted","resource":"engine","holder":"me","epoch":5,"token":"3f0c","reclaimed":false}"#,
             ),
@@ -711,6 +1342,7 @@ mod tests {
                 Event::Queued {
                     resource: "engine".into(),
                     position: 1,
+                lease_id: None,
                 },
                 r#"{"event":"queued","resource":"engine","position":1}"#,
             ),
@@ -725,6 +1357,7 @@ mod tests {
                 Event::Released {
                     resource: "engine".into(),
                     epoch: 5,
+                lease_id: None,
                 },
                 r#"{"event":"released","resource":"engine","epoch":5}"#,
             ),
@@ -752,11 +1385,7 @@ mod tests {
                 DEFAULT_MAX_LINE
             )
             .unwrap(),
-            Request::Acquire {
-                resource: "engine".into(),
-                holder: "me".into(),
-                wait: true
-            }
+            Request::acquire("engine", "me", true)
         );
     }
 }

@@ -55,6 +55,12 @@ pub struct ServeConfig {
     /// without waking a sleeping thread. Zero: sleep at once. Costs at most this much
     /// CPU per request; idle lockd never spins.
     pub busy_poll: Duration,
+    /// Longest TTL / lease time granted (`--max-lease-time`).
+    pub max_lease_time: Duration,
+    /// Quantity leases: no renewal past first grant + this (`--max-total-lease-time`).
+    pub max_total_lease_time: Duration,
+    /// Offers set at startup (`--offers FILE`): (pool, offer).
+    pub offers: Vec<(String, crate::kinds::quantity::OfferSpec)>,
 }
 
 impl ServeConfig {
@@ -72,6 +78,9 @@ impl ServeConfig {
             outbound_queue: 1024,
             write_timeout: Duration::from_secs(5),
             busy_poll: DEFAULT_BUSY_POLL,
+            max_lease_time: Config::default().max_lease_time,
+            max_total_lease_time: Config::default().max_total_lease_time,
+            offers: Vec::new(),
         }
     }
 }
@@ -103,6 +112,9 @@ pub enum ServeError {
     /// No listener given.
     #[error("no --listen endpoint given")]
     NoListener,
+    /// The state file's lease records are inconsistent, or the offers file is refused.
+    #[error("cannot restore the state: {0}")]
+    Restore(String),
 }
 
 fn now() -> Now {
@@ -299,6 +311,7 @@ impl Driver {
                         NoticeKind::Released => "lease released",
                         NoticeKind::Expired => "lease expired",
                         NoticeKind::Revoked => "lease revoked",
+                        NoticeKind::Committed => "version committed",
                     };
                     info!(
                         resource = %notice.resource,
@@ -780,11 +793,16 @@ impl Server {
             Config {
                 reconnect_window: cfg.reconnect_window,
                 admin_token: cfg.admin_token.clone(),
+                max_lease_time: cfg.max_lease_time,
+                max_total_lease_time: cfg.max_total_lease_time,
+                offers: cfg.offers.clone(),
+                ..Config::default()
             },
             state,
             now(),
             seed,
-        );
+        )
+        .map_err(ServeError::Restore)?;
         if !held.is_empty() {
             info!(resources = ?held, window_ms = cfg.reconnect_window.as_millis() as u64,
                 "persisted holders found: reconnect window open, granting nothing for them until it ends");

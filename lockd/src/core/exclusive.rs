@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::table::{Lease, LeaseKind, LeaseMode, LeaseState, Waiter};
 use super::{ct_eq, Core, Now, SessionId};
-use crate::proto::{ErrorCode, Event, Notice, NoticeKind};
+use crate::proto::{ErrorCode, Event, LeaseFields, Notice, NoticeKind};
 
 impl Core {
     /// `acquire`: granted at once if free and nobody waits, else queued (or `busy`).
@@ -47,7 +47,11 @@ impl Core {
             if let Some(sess) = self.sessions.get_mut(&s) {
                 sess.waits.insert(resource.clone());
             }
-            self.send(s, Event::Queued { resource, position });
+            self.send(s, Event::Queued {
+                resource,
+                position,
+                lease_id: None,
+            });
         }
     }
 
@@ -95,6 +99,7 @@ impl Core {
                 epoch,
                 token,
                 reclaimed: false,
+                lease: LeaseFields::default(),
             },
         );
         self.notice(
@@ -108,6 +113,9 @@ impl Core {
                 after_revoke: false,
                 reason: None,
                 at_unix_ms: now.unix_ms,
+                lease_id: None,
+                lease_kind: None,
+                version: None,
             },
             handoff_from,
         );
@@ -155,6 +163,9 @@ impl Core {
                 after_revoke: l.revoked.is_some(),
                 reason: None,
                 at_unix_ms: now.unix_ms,
+                lease_id: None,
+                lease_kind: None,
+                version: None,
             },
             None,
         );
@@ -170,6 +181,7 @@ impl Core {
                     Event::Released {
                         resource: resource.clone(),
                         epoch,
+                        lease_id: None,
                     },
                 );
             }
@@ -279,6 +291,7 @@ impl Core {
                 epoch,
                 token: lease.token,
                 reclaimed: true,
+                lease: LeaseFields::default(),
             },
         );
         if let Some(reason) = revoked {
@@ -302,6 +315,9 @@ impl Core {
                 after_revoke: false,
                 reason: None,
                 at_unix_ms: now.unix_ms,
+                lease_id: None,
+                lease_kind: None,
+                version: None,
             },
             None,
         );
@@ -314,26 +330,7 @@ impl Core {
         s: SessionId,
         resource: String,
         reason: String,
-        admin: Option<String>,
     ) {
-        let tcp = self
-            .sessions
-            .get(&s)
-            .is_some_and(|x| x.peer.transport == "tcp");
-        if tcp {
-            let ok = match (&self.cfg.admin_token, &admin) {
-                (Some(want), Some(got)) => ct_eq(want, got),
-                _ => false,
-            };
-            if !ok {
-                return self.error(
-                    s,
-                    ErrorCode::Unauthorized,
-                    "revoke over TCP needs lockd's --admin-token".into(),
-                    Some(&resource),
-                );
-            }
-        }
         let Some(res) = self.table.resources.get_mut(&resource) else {
             return self.error(
                 s,
@@ -352,6 +349,9 @@ impl Core {
             after_revoke: false,
             reason: Some(reason.clone()),
             at_unix_ms: now.unix_ms,
+            lease_id: None,
+            lease_kind: None,
+            version: None,
         };
         match &mut res.lease {
             LeaseState::Free => {
@@ -436,6 +436,9 @@ impl Core {
                     after_revoke: lease.revoked,
                     reason: None,
                     at_unix_ms: now.unix_ms,
+                    lease_id: None,
+                    lease_kind: None,
+                    version: None,
                 },
                 None,
             );
@@ -462,7 +465,8 @@ mod tests {
             H::to(&out, 2),
             vec![Event::Queued {
                 resource: "e".into(),
-                position: 1
+                position: 1,
+            lease_id: None,
             }]
         );
         let out = h.req(3, acq("e", "c", true));
@@ -470,7 +474,8 @@ mod tests {
             H::to(&out, 3),
             vec![Event::Queued {
                 resource: "e".into(),
-                position: 2
+                position: 2,
+            lease_id: None,
             }]
         );
         let out = h.req(4, acq("e", "d", false));
@@ -545,9 +550,7 @@ mod tests {
             H::to(
                 &h.req(
                     2,
-                    Request::Release {
-                        resource: "e".into()
-                    }
+                    Request::release("e")
                 ),
                 2
             ),
@@ -560,9 +563,7 @@ mod tests {
             H::err_code(
                 &h.req(
                     3,
-                    Request::Release {
-                        resource: "e".into()
-                    }
+                    Request::release("e")
                 ),
                 3
             )
@@ -572,15 +573,14 @@ mod tests {
         h.req(3, acq("e", "c", true));
         let out = h.req(
             1,
-            Request::Release {
-                resource: "e".into(),
-            },
+            Request::release("e"),
         );
         assert_eq!(
             H::to(&out, 1),
             vec![Event::Released {
                 resource: "e".into(),
-                epoch: 1
+                epoch: 1,
+            lease_id: None,
             }]
         );
         assert_eq!(H::granted(&out, 3).unwrap().0, 2);
@@ -611,7 +611,8 @@ mod tests {
             H::to(&h.req(3, acq("e", "b", true)), 3),
             vec![Event::Queued {
                 resource: "e".into(),
-                position: 1
+                position: 1,
+            lease_id: None,
             }]
         );
         assert_eq!(H::to(&h.req(3, acq("e", "b", false)), 3).len(), 1);
@@ -734,11 +735,7 @@ mod tests {
         h.req(2, acq("e", "b", true));
         let out = h.req(
             3,
-            Request::Revoke {
-                resource: "e".into(),
-                reason: Some("drain".into()),
-                admin_token: None,
-            },
+            Request::revoke("e", Some("drain".into()), None),
         );
         assert_eq!(
             H::to(&out, 1),
@@ -762,11 +759,7 @@ mod tests {
         // Revoking again re-notifies but does not count twice.
         h.req(
             3,
-            Request::Revoke {
-                resource: "e".into(),
-                reason: None,
-                admin_token: None,
-            },
+            Request::revoke("e", None, None),
         );
         assert_eq!(h.core.counters().revocations, 1);
         let out = h.step(Input::Disconnect { session: 1 });
@@ -784,22 +777,14 @@ mod tests {
         for tok in [None, Some("wrong".to_string())] {
             let out = h.req(
                 2,
-                Request::Revoke {
-                    resource: "e".into(),
-                    reason: None,
-                    admin_token: tok,
-                },
+                Request::revoke("e", None, tok),
             );
             assert_eq!(H::err_code(&out, 2).as_deref(), Some("unauthorized"));
             assert!(H::to(&out, 1).is_empty());
         }
         let out = h.req(
             2,
-            Request::Revoke {
-                resource: "e".into(),
-                reason: None,
-                admin_token: Some("s3cret".into()),
-            },
+            Request::revoke("e", None, Some("s3cret".into())),
         );
         assert!(matches!(H::to(&out, 2)[0], Event::RevokeSent { .. }));
         // Without a configured token, TCP revoke is always refused.
@@ -809,11 +794,7 @@ mod tests {
         h.req(1, acq("e", "a", true));
         let out = h.req(
             2,
-            Request::Revoke {
-                resource: "e".into(),
-                reason: None,
-                admin_token: Some(String::new()),
-            },
+            Request::revoke("e", None, Some(String::new())),
         );
         assert_eq!(H::err_code(&out, 2).as_deref(), Some("unauthorized"));
     }
@@ -824,11 +805,7 @@ mod tests {
         h.connect(1, "unix");
         let out = h.req(
             1,
-            Request::Revoke {
-                resource: "e".into(),
-                reason: None,
-                admin_token: None,
-            },
+            Request::revoke("e", None, None),
         );
         assert_eq!(H::err_code(&out, 1).as_deref(), Some("not_held"));
         let (mut h, token) = restarted();
@@ -837,11 +814,7 @@ mod tests {
         h.req(3, acq("e", "b", true));
         let out = h.req(
             2,
-            Request::Revoke {
-                resource: "e".into(),
-                reason: None,
-                admin_token: None,
-            },
+            Request::revoke("e", None, None),
         );
         // The holder may still run: nobody else is granted while the window is open.
         assert_eq!(H::granted(&out, 3), None, "{out:?}");
@@ -855,11 +828,7 @@ mod tests {
         // A second revoke is not counted again.
         h.req(
             2,
-            Request::Revoke {
-                resource: "e".into(),
-                reason: None,
-                admin_token: None,
-            },
+            Request::revoke("e", None, None),
         );
         assert_eq!(h.core.counters().revocations, 1);
         // The holder comes back: it gets its lease, and at once the revocation.
@@ -904,11 +873,7 @@ mod tests {
             let (_, token, _) = H::granted(&h.req(1, acq("e", "a", true)), 1).unwrap();
             h.req(
                 1,
-                Request::Revoke {
-                    resource: "e".into(),
-                    reason: None,
-                    admin_token: None,
-                },
+                Request::revoke("e", None, None),
             );
             let st = h.persisted.clone().unwrap();
             assert!(st.resources["e"].holder.as_ref().unwrap().revoked);

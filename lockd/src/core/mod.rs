@@ -20,10 +20,14 @@
 //! * `status`: the `status` report and the figures metrics read.
 
 mod exclusive;
+mod leases;
+mod quantity;
 mod records;
 mod session;
+mod shared;
 mod status;
 mod table;
+mod ttl;
 #[cfg(test)]
 mod testkit;
 
@@ -35,10 +39,11 @@ use rand::{rngs::StdRng, RngCore, SeedableRng};
 use crate::proto::{Counters, ErrorCode, Event, Notice, PeerInfo, Request};
 
 pub use records::{
-    decode_state, PersistedLease, PersistedOffer, PersistedResource, PersistedState, Tombstone,
+    decode_state, PersistedLease, PersistedResource, PersistedState, Tombstone,
     READABLE_STATE_VERSIONS, STATE_VERSION,
 };
 use session::Session;
+pub use leases::KindLease;
 pub use table::{LeaseKind, LeaseMode};
 use table::{LeaseState, Table};
 
@@ -61,6 +66,32 @@ pub struct Config {
     pub reconnect_window: Duration,
     /// Token that TCP sessions must present to revoke; None = revoke over TCP refused.
     pub admin_token: Option<String>,
+    /// Longest TTL / lease time granted (`--max-lease-time`): the manager's term of a
+    /// quantity lease's min, and the cap of TTL and timed shared leases.
+    pub max_lease_time: Duration,
+    /// No renewal of a quantity lease extends it past its first grant plus this
+    /// (`--max-total-lease-time`).
+    pub max_total_lease_time: Duration,
+    /// Ended leases of the version-2 kinds remembered (by lease id) at most this many...
+    pub max_tombstones: usize,
+    /// ... and at most this long.
+    pub tombstone_max_age: Duration,
+    /// Offers from the offers file (`--offers FILE`): (pool, offer), set at startup.
+    pub offers: Vec<(String, crate::kinds::quantity::OfferSpec)>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            reconnect_window: Duration::from_secs(10),
+            admin_token: None,
+            max_lease_time: Duration::from_secs(3600),
+            max_total_lease_time: Duration::from_secs(24 * 3600),
+            max_tombstones: 10_000,
+            tombstone_max_age: Duration::from_secs(3600),
+            offers: Vec::new(),
+        }
+    }
 }
 
 /// Something that happened, fed to [`Core::step`].
@@ -141,8 +172,29 @@ pub struct Core {
     watchers: BTreeSet<SessionId>,
     /// The lease table.
     table: Table,
-    /// Tombstones of ended leases (persisted; none are recorded yet, kept as loaded).
-    tombstones: Vec<Tombstone>,
+    /// Tombstones of ended version-2 leases, by id (persisted, bounded).
+    tombs: BTreeMap<u64, Tombstone>,
+    /// Tombstone ids in end order (front = oldest).
+    tomb_order: VecDeque<u64>,
+    /// Version-2 leases and waiting requests, by lease id.
+    kl: BTreeMap<u64, leases::KindLease>,
+    /// Restored connection-bound version-2 leases waiting to be resumed: (deadline, id).
+    kl_reclaim: BTreeSet<(Instant, u64)>,
+    /// TTL leases.
+    ttl: crate::kinds::ttl::TtlTable,
+    /// Waiting TTL requests per resource (lease ids: their order is the arrival order).
+    ttl_waiters: BTreeMap<String, BTreeSet<u64>>,
+    /// Shared/exclusive admission with versions.
+    shared: crate::kinds::shared::SharedTable,
+    /// Lifetimes of timed shared-kind leases.
+    shared_ttl: crate::kinds::ttl::TtlTable,
+    /// Quantity pools by name.
+    pools: BTreeMap<String, crate::kinds::quantity::QuantityManager>,
+    /// Counters per version-2 kind (persisted).
+    counters_by_kind: BTreeMap<LeaseKind, crate::proto::KindCounters>,
+    /// The restore changed the state (leases expired while lockd was down, offers from
+    /// the offers file): the first step persists.
+    boot_dirty: bool,
     /// Counters (persisted).
     counters: Counters,
     /// Highest persist sequence number requested.
@@ -159,8 +211,10 @@ pub struct Core {
 
 impl Core {
     /// Build from the persisted state read at startup. Every persisted holder gets a
-    /// reconnect window starting `now`.
-    pub fn new(cfg: Config, state: PersistedState, now: Now, seed: u64) -> Core {
+    /// reconnect window starting `now`; TTL and quantity leases keep their wall-clock
+    /// deadlines (those that passed while lockd was down end at once, as expired). Fails
+    /// when the records of a lease kind are inconsistent (a corrupt state file).
+    pub fn new(cfg: Config, state: PersistedState, now: Now, seed: u64) -> Result<Core, String> {
         let mut table = Table::default();
         table.last_lease_id = state.last_lease_id;
         for (name, r) in state.resources {
@@ -171,27 +225,117 @@ impl Core {
                 },
                 None => LeaseState::Free,
             };
-            table.load(name, r.epoch, r.version, lease);
+            table.load(name, r.epoch, lease);
         }
-        Core {
+        let ttl_cfg = |exclusive_per_resource| crate::kinds::ttl::TtlConfig {
+            exclusive_per_resource,
+            max_tombstones: cfg.max_tombstones,
+            tombstone_max_age: cfg.tombstone_max_age,
+        };
+        let (ttl, ttl_ended) = crate::kinds::ttl::TtlTable::restore(ttl_cfg(true), state.ttl, now)
+            .map_err(|e| e.to_string())?;
+        let (shared_ttl, shared_ended) =
+            crate::kinds::ttl::TtlTable::restore(ttl_cfg(false), state.shared_ttl, now)
+                .map_err(|e| e.to_string())?;
+        let shared =
+            crate::kinds::shared::SharedTable::restore(state.shared).map_err(|e| e.to_string())?;
+        let qcfg = crate::kinds::quantity::Config {
+            max_lease_time: cfg.max_lease_time,
+            max_total_lease_time: cfg.max_total_lease_time,
+        };
+        let mut pools = BTreeMap::new();
+        let mut pool_events = Vec::new();
+        for (name, rec) in state.pools {
+            let (m, ev) = crate::kinds::quantity::QuantityManager::restore(
+                qcfg,
+                rec,
+                quantity::qnow(now),
+            )
+            .map_err(|e| format!("pool {name:?}: {e}"))?;
+            pool_events.push((name.clone(), ev));
+            pools.insert(name, m);
+        }
+        let mut kl = BTreeMap::new();
+        let mut kl_reclaim = BTreeSet::new();
+        for (id, mut l) in state.kind_leases {
+            if id > table.last_lease_id {
+                return Err(format!("lease id {id} above the last lease id"));
+            }
+            l.granted = true;
+            l.session = None;
+            if l.bound {
+                let d = now.mono + cfg.reconnect_window;
+                l.reclaim_deadline = Some(d);
+                kl_reclaim.insert((d, id));
+            }
+            kl.insert(id, l);
+        }
+        let mut tomb_order: Vec<(u64, u64)> = state
+            .tombstones
+            .iter()
+            .map(|t| (t.ended_at_unix_ms, t.lease_id))
+            .collect();
+        tomb_order.sort_unstable();
+        let mut core = Core {
+            tombs: state
+                .tombstones
+                .into_iter()
+                .map(|t| (t.lease_id, t))
+                .collect(),
+            tomb_order: tomb_order.into_iter().map(|(_, id)| id).collect(),
+            kl,
+            kl_reclaim,
+            ttl,
+            ttl_waiters: BTreeMap::new(),
+            shared,
+            shared_ttl,
+            pools,
+            counters_by_kind: state.counters_by_kind,
+            boot_dirty: false,
             cfg,
             rng: StdRng::seed_from_u64(seed),
             sessions: BTreeMap::new(),
             watchers: BTreeSet::new(),
             table,
-            tombstones: state.tombstones,
             counters: state.counters,
             seq_requested: 0,
             seq_done: 0,
             outbox: VecDeque::new(),
             pending: Vec::new(),
             dirty: false,
+        };
+        // What ended while lockd was down ends now (tombstones, counters, grants to
+        // nobody: waiters are not persisted), and the offers file is applied.
+        for e in ttl_ended {
+            core.forget(now, e.id, leases::EndWhy::Expired, false);
         }
+        for e in shared_ended {
+            core.shared_end(now, e.id, leases::EndWhy::Expired, false);
+        }
+        for (pool, ev) in pool_events {
+            for e in ev {
+                if let crate::kinds::quantity::Event::Expired { id, .. } = e {
+                    core.forget(now, id, leases::EndWhy::Expired, false);
+                }
+            }
+            let _ = pool;
+        }
+        for (pool, spec) in core.cfg.offers.clone() {
+            core.set_offer(now, &pool, spec)
+                .map_err(|e| format!("offers file: pool {pool:?}: {e}"))?;
+        }
+        core.boot_dirty = core.dirty;
+        core.dirty = false;
+        Ok(core)
     }
 
-    /// The earliest reconnect-window deadline, if any: call `step(Tick)` then.
+    /// The earliest deadline (reconnect windows, TTLs, lease times), if any: call
+    /// `step(Tick)` then.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.table.next_deadline()
+        match (self.table.next_deadline(), self.next_kind_deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Counters so far.
@@ -231,8 +375,9 @@ impl Core {
 
     /// Apply one input. Returns what the driver must do, in order.
     pub fn step(&mut self, now: Now, input: Input) -> Vec<Output> {
-        self.dirty = false;
+        self.dirty = std::mem::take(&mut self.boot_dirty);
         self.expire(now);
+        self.expire_kinds(now);
         match input {
             Input::Connect { session, peer } => self.connect(session, peer),
             Input::Request { session, req } => {
@@ -295,6 +440,15 @@ impl Core {
         });
     }
 
+    /// Over TCP, admin requests (revoke, offer, withdraw) need lockd's `--admin-token`.
+    fn admin_ok(&self, s: SessionId, admin: Option<&str>) -> bool {
+        let tcp = self
+            .sessions
+            .get(&s)
+            .is_some_and(|x| x.peer.transport == "tcp");
+        !tcp || matches!((&self.cfg.admin_token, admin), (Some(want), Some(got)) if ct_eq(want, got))
+    }
+
     fn new_token(&mut self) -> String {
         let mut b = [0u8; 16];
         self.rng.fill_bytes(&mut b);
@@ -313,22 +467,135 @@ impl Core {
                 resource,
                 holder,
                 wait,
-            } => self.acquire(now, s, resource, holder, wait),
+                ext,
+            } => {
+                let kind = ext.kind();
+                if let Some(other) = self.kind_in_use(&resource).filter(|k| *k != kind) {
+                    return self.error(
+                        s,
+                        ErrorCode::KindMismatch,
+                        format!(
+                            "{resource:?} is in use as a {} lease, not {}",
+                            other.as_str(),
+                            kind.as_str()
+                        ),
+                        Some(&resource),
+                    );
+                }
+                match kind {
+                    LeaseKind::Exclusive => self.acquire(now, s, resource, holder, wait),
+                    LeaseKind::Ttl => self.ttl_acquire(now, s, resource, holder, wait, ext),
+                    LeaseKind::Shared => self.shared_acquire(now, s, resource, holder, wait, ext),
+                    LeaseKind::Quantity => {
+                        self.quantity_acquire(now, s, resource, holder, wait, ext)
+                    }
+                }
+            }
             Request::Reclaim {
                 resource,
                 holder: _,
                 epoch,
                 token,
             } => self.reclaim(now, s, resource, epoch, token),
-            Request::Release { resource } => self.release(now, s, resource),
+            Request::Release {
+                resource: Some(resource),
+                ..
+            } => match self.kind_in_use(&resource) {
+                Some(LeaseKind::Exclusive) | None => self.release(now, s, resource),
+                Some(_) => self.release_resource_of_session(now, s, resource),
+            },
+            Request::Release {
+                lease_id: Some(id),
+                token,
+                ..
+            } => self.release_lease(now, s, id, token.unwrap_or_default()),
+            Request::Release { .. } => {}
             Request::Revoke {
                 resource,
+                lease_id,
                 reason,
                 admin_token,
-            } => self.revoke(now, s, resource, reason.unwrap_or_default(), admin_token),
-            Request::Status => {
-                let st = self.status(now);
+            } => {
+                if !self.admin_ok(s, admin_token.as_deref()) {
+                    let what = resource.as_deref();
+                    return self.error(
+                        s,
+                        ErrorCode::Unauthorized,
+                        "revoke over TCP needs lockd's --admin-token".into(),
+                        what,
+                    );
+                }
+                let reason = reason.unwrap_or_default();
+                match (resource, lease_id) {
+                    (_, Some(id)) => self.revoke_lease(now, s, id, reason),
+                    (Some(r), None) => match self.kind_in_use(&r) {
+                        Some(LeaseKind::Exclusive) | None => self.revoke(now, s, r, reason),
+                        Some(_) => self.revoke_resource(now, s, r, reason),
+                    },
+                    (None, None) => {}
+                }
+            }
+            Request::Status { sessions } => {
+                let st = self.status(now, sessions.unwrap_or(true));
                 self.send(s, Event::Status(st));
+            }
+            Request::Renew {
+                lease_id,
+                token,
+                ttl_ms,
+            } => self.renew(now, s, lease_id, token, ttl_ms),
+            Request::Commit { lease_id, token } => self.commit(now, s, lease_id, token),
+            Request::Resume { lease_id, token } => self.resume(now, s, lease_id, token),
+            Request::Lease { lease_id } => {
+                let r = self.lease_report(now, lease_id);
+                self.send(s, Event::Lease(r));
+            }
+            Request::Leases { resource, holder } => {
+                let leases = self.lease_reports(now, resource.as_deref(), holder.as_deref());
+                self.send(s, Event::Leases { leases });
+            }
+            Request::Offer {
+                pool,
+                name,
+                quantity,
+                attributes,
+                max_lease_time_ms,
+                requirements,
+                admin_token,
+            } => {
+                if !self.admin_ok(s, admin_token.as_deref()) {
+                    return self.error(
+                        s,
+                        ErrorCode::Unauthorized,
+                        "offer over TCP needs lockd's --admin-token".into(),
+                        Some(&pool),
+                    );
+                }
+                self.offer(
+                    now,
+                    s,
+                    pool,
+                    name,
+                    quantity,
+                    attributes,
+                    max_lease_time_ms,
+                    requirements,
+                )
+            }
+            Request::Withdraw {
+                pool,
+                name,
+                admin_token,
+            } => {
+                if !self.admin_ok(s, admin_token.as_deref()) {
+                    return self.error(
+                        s,
+                        ErrorCode::Unauthorized,
+                        "withdraw over TCP needs lockd's --admin-token".into(),
+                        Some(&pool),
+                    );
+                }
+                self.withdraw(now, s, pool, name)
             }
             Request::Watch => self.watch(s),
             Request::Ping => self.send(s, Event::Pong {}),

@@ -37,13 +37,30 @@ pub struct PersistedState {
     /// The id of the last lease granted: lease ids are never reused, across restarts.
     #[serde(default)]
     pub last_lease_id: u64,
-    /// Ended leases, kept for a bounded time so that their end (and its reason) can be
-    /// asked for by lease id. None are recorded yet (the TTL kind will).
+    /// Ended version-2 leases, kept for a bounded time so that their end (and its reason)
+    /// can be asked for by lease id.
     #[serde(default)]
     pub tombstones: Vec<Tombstone>,
-    /// Offers of pool resources (quantity leases), by pool name. None yet.
+    /// Version-2 leases (TTL, shared, quantity) that are granted: what every kind shares
+    /// (resource, holder, token, epoch, mode, TTL, bound to a connection or not), by lease id.
+    /// Each kind's table keeps the rest in its own records below.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub kind_leases: BTreeMap<u64, super::leases::KindLease>,
+    /// TTL leases: live leases with wall-clock expiries, their tombstones, their counters.
     #[serde(default)]
-    pub offers: BTreeMap<String, Vec<PersistedOffer>>,
+    pub ttl: crate::kinds::ttl::TtlRecords,
+    /// Shared-kind leases: per resource, version, epoch and holders.
+    #[serde(default)]
+    pub shared: crate::kinds::shared::SharedRecords,
+    /// Lifetimes of timed shared-kind leases.
+    #[serde(default)]
+    pub shared_ttl: crate::kinds::ttl::TtlRecords,
+    /// Quantity pools: offers and leases, by pool name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pools: BTreeMap<String, crate::kinds::quantity::QuantityRecords>,
+    /// Counters per version-2 kind.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub counters_by_kind: BTreeMap<LeaseKind, crate::proto::KindCounters>,
 }
 
 impl Default for PersistedState {
@@ -54,7 +71,12 @@ impl Default for PersistedState {
             counters: Counters::default(),
             last_lease_id: 0,
             tombstones: Vec::new(),
-            offers: BTreeMap::new(),
+            kind_leases: BTreeMap::new(),
+            ttl: Default::default(),
+            shared: Default::default(),
+            shared_ttl: Default::default(),
+            pools: BTreeMap::new(),
+            counters_by_kind: BTreeMap::new(),
         }
     }
 }
@@ -66,13 +88,9 @@ pub struct PersistedResource {
     pub epoch: u64,
     /// The exclusive holder at the time of writing; on restart it gets a reconnect window.
     pub holder: Option<PersistedLease>,
-    /// Data version (shared leases: an exclusive holder's commit bumps it). 0 until then.
+    /// Data version of a shared-kind resource (its commits), as in `shared` (for humans).
     #[serde(default)]
     pub version: u64,
-    /// Further leases, of the kinds that allow several holders (shared, quantity). Empty
-    /// in this lockd; a file that has some is refused rather than silently dropped.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub leases: Vec<PersistedLease>,
 }
 
 /// A lease in the state file.
@@ -124,21 +142,6 @@ pub struct Tombstone {
     pub reason: String,
     /// When it ended (ms since the Unix epoch).
     pub ended_at_unix_ms: u64,
-}
-
-/// One offer of a pool resource (quantity leases).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PersistedOffer {
-    /// Offer name, unique in its pool.
-    pub name: String,
-    /// Quantity offered.
-    pub quantity: u64,
-    /// Attributes that requests' requirements match.
-    #[serde(default)]
-    pub attributes: BTreeMap<String, String>,
-    /// Longest lease time granted from this offer, in ms.
-    #[serde(default)]
-    pub max_lease_ms: Option<u64>,
 }
 
 /// The state file format of lockd before issue 11 (version 1).
@@ -210,7 +213,6 @@ fn migrate_v1(old: v1::State) -> PersistedState {
                 epoch: r.epoch,
                 holder,
                 version: 0,
-                leases: Vec::new(),
             },
         );
     }
@@ -270,20 +272,14 @@ fn validate(st: &PersistedState) -> Result<(), String> {
                 ));
             }
         }
-        if !r.leases.is_empty() {
+    }
+    for id in st.kind_leases.keys() {
+        if *id == 0 || *id > st.last_lease_id || !ids.insert(*id) {
             return Err(format!(
-                "resource {name:?} has {} shared or quantity leases, which this lockd does \
-                 not serve (written by a newer lockd)",
-                r.leases.len()
+                "version-2 lease id {id} is 0, repeated or above the last lease id {}",
+                st.last_lease_id
             ));
         }
-    }
-    if !st.offers.is_empty() {
-        return Err(
-            "the state has pool offers, which this lockd does not serve \
-                    (written by a newer lockd)"
-                .into(),
-        );
     }
     Ok(())
 }
@@ -317,8 +313,7 @@ impl Core {
                     PersistedResource {
                         epoch: r.epoch,
                         holder,
-                        version: r.version,
-                        leases: Vec::new(),
+                        version: self.shared.version(name),
                     },
                 )
             })
@@ -328,8 +323,26 @@ impl Core {
             resources,
             counters: self.counters,
             last_lease_id: self.table.last_lease_id,
-            tombstones: self.tombstones.clone(),
-            offers: BTreeMap::new(),
+            tombstones: self
+                .tomb_order
+                .iter()
+                .filter_map(|id| self.tombs.get(id).cloned())
+                .collect(),
+            kind_leases: self
+                .kl
+                .iter()
+                .filter(|(_, l)| l.granted)
+                .map(|(id, l)| (*id, l.clone()))
+                .collect(),
+            ttl: self.ttl.snapshot(),
+            shared: self.shared.snapshot(),
+            shared_ttl: self.shared_ttl.snapshot(),
+            pools: self
+                .pools
+                .iter()
+                .map(|(n, p)| (n.clone(), p.records()))
+                .collect(),
+            counters_by_kind: self.counters_by_kind.clone(),
         }
     }
 }
@@ -383,7 +396,6 @@ mod tests {
             (br#"{"version":2,"resources":{"r":{"epoch":1,"holder":{"name":"a","epoch":1,"token":"t","granted_at_unix_ms":0}}}}"#, "not a lockd state"),
             (br#"{"version":2,"resources":{"r":{"epoch":1,"holder":{"name":"a","epoch":1,"token":"t","granted_at_unix_ms":0,"lease_id":5}}},"last_lease_id":4}"#, "lease id 5"),
             (br#"{"version":2,"resources":{"r":{"epoch":1,"holder":{"name":"a","epoch":1,"token":"t","granted_at_unix_ms":0,"lease_id":1,"kind":"warp"}}},"last_lease_id":4}"#, "not a lockd state"),
-            (br#"{"version":2,"resources":{"r":{"epoch":1,"holder":null,"leases":[{"name":"a","epoch":1,"token":"t","granted_at_unix_ms":0,"lease_id":1}]}},"last_lease_id":4}"#, "newer lockd"),
             (br#"{"version":1,"resources":{"r":{"epoch":1,"holder":{"name":"a","epoch":5,"token":"t","granted_at_unix_ms":0}}}}"#, "inconsistent"),
         ] {
             let e = decode_state(bad).unwrap_err();

@@ -21,6 +21,8 @@ pub(super) struct Session {
     pub connected: bool,
     /// Open anchors.
     pub anchors: u32,
+    /// Version-2 leases and waiting requests whose events go to this session.
+    pub leases: BTreeSet<u64>,
 }
 
 impl Core {
@@ -36,6 +38,7 @@ impl Core {
                 watching: false,
                 connected: true,
                 anchors: 0,
+                leases: BTreeSet::new(),
             },
         );
         self.send(
@@ -85,11 +88,13 @@ impl Core {
             sess.watching = false;
             self.watchers.remove(&s);
             let waits = std::mem::take(&mut sess.waits);
+            let leases = sess.leases.clone();
             for r in &waits {
                 if let Some(res) = self.table.resources.get_mut(r) {
                     res.waiters.remove_session(s);
                 }
             }
+            self.withdraw_waiting(now, &leases);
             return;
         }
         self.end_session(now, s);
@@ -122,6 +127,7 @@ impl Core {
             self.end_lease(now, r);
             self.grant_next(now, r, Some(now.mono));
         }
+        self.end_session_leases(now, &sess.leases);
     }
 }
 
@@ -220,20 +226,14 @@ mod tests {
         h.connect(3, "unix");
         let out = h.req(
             3,
-            Request::Revoke {
-                resource: "e".into(),
-                reason: Some("ops".into()),
-                admin_token: None,
-            },
+            Request::revoke("e", Some("ops".into()), None),
         );
         assert!(H::to(&out, 1).is_empty(), "{out:?}");
         assert!(matches!(H::to(&out, 3)[..], [Event::RevokeSent { .. }]));
         // Releasing f frees it: session 1 does not get it.
         let out = h.req(
             2,
-            Request::Release {
-                resource: "f".into(),
-            },
+            Request::release("f"),
         );
         assert!(H::to(&out, 1).is_empty());
         assert_eq!(h.res("f").state, proto::LeaseState::Free);

@@ -6,7 +6,7 @@ use crate::proto::{self, ResourceReport, SessionReport, StatusReport};
 
 impl Core {
     /// The status report as of `now`.
-    pub fn status(&self, now: Now) -> StatusReport {
+    pub fn status(&self, now: Now, with_sessions: bool) -> StatusReport {
         let resources = self
             .table
             .resources
@@ -55,8 +55,24 @@ impl Core {
                 }
             })
             .collect();
-        let sessions = self
-            .sessions
+        let sessions = if !with_sessions {
+            Vec::new()
+        } else {
+            self.session_reports()
+        };
+        StatusReport {
+            resources,
+            counters: self.counters,
+            sessions,
+            session_count: (!with_sessions).then_some(self.sessions.len()),
+            leases: self.lease_reports(now, None, None),
+            pools: self.pool_reports(),
+            counters_by_kind: self.counters_by_kind.clone(),
+        }
+    }
+
+    fn session_reports(&self) -> Vec<SessionReport> {
+        self.sessions
             .iter()
             .map(|(id, s)| SessionReport {
                 id: *id,
@@ -67,12 +83,7 @@ impl Core {
                 connected: s.connected,
                 anchors: s.anchors,
             })
-            .collect();
-        StatusReport {
-            resources,
-            counters: self.counters,
-            sessions,
-        }
+            .collect()
     }
 
     /// Number of waiters per resource (metrics).
@@ -111,7 +122,7 @@ mod tests {
         h.connect(1, "unix");
         assert_eq!(H::to(&h.req(1, Request::Ping), 1), vec![Event::Pong {}]);
         h.req(1, acq("e", "a", true));
-        let out = h.req(1, Request::Status);
+        let out = h.req(1, Request::Status { sessions: None });
         let Event::Status(st) = &H::to(&out, 1)[0] else {
             panic!()
         };

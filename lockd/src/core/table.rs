@@ -15,18 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::records::PersistedLease;
 use super::SessionId;
 
-/// What kind of lease a lease is: which module decides when it starts and ends.
-#[derive(
-    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
-)]
-#[serde(rename_all = "snake_case")]
-pub enum LeaseKind {
-    /// One holder at a time, bound to its connection (and anchors): ends when the holder's
-    /// processes are gone, when it releases, or when a reconnect window after a lockd
-    /// restart ends unclaimed. Protocol version 1's only kind (and still the default).
-    #[default]
-    Exclusive,
-}
+pub use crate::proto::LeaseKind;
 
 /// Who may hold a resource alongside whom.
 #[derive(
@@ -168,17 +157,14 @@ pub(super) struct Resource {
     pub lease: LeaseState,
     /// Acquires waiting for it.
     pub waiters: Waiters,
-    /// Data version (persisted; shared leases will bump it on commit).
-    pub version: u64,
 }
 
 impl Resource {
-    fn new(epoch: u64, version: u64) -> Resource {
+    fn new(epoch: u64) -> Resource {
         Resource {
             epoch,
             lease: LeaseState::Free,
             waiters: Waiters::default(),
-            version,
         }
     }
 }
@@ -202,7 +188,7 @@ impl Table {
     /// The resource, created free (epoch 0) if unknown.
     pub fn entry(&mut self, name: &str) -> &mut Resource {
         if !self.resources.contains_key(name) {
-            self.resources.insert(name.to_string(), Resource::new(0, 0));
+            self.resources.insert(name.to_string(), Resource::new(0));
         }
         // Just inserted if it was missing.
         self.resources
@@ -211,9 +197,8 @@ impl Table {
     }
 
     /// Add a resource as loaded from the state file.
-    pub fn load(&mut self, name: String, epoch: u64, version: u64, lease: LeaseState) {
-        self.resources
-            .insert(name.clone(), Resource::new(epoch, version));
+    pub fn load(&mut self, name: String, epoch: u64, lease: LeaseState) {
+        self.resources.insert(name.clone(), Resource::new(epoch));
         self.set_lease(&name, lease);
     }
 

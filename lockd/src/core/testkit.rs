@@ -34,11 +34,7 @@ pub(super) fn peer(t: &str) -> PeerInfo {
 }
 
 pub(super) fn acq(r: &str, h: &str, wait: bool) -> Request {
-    Request::Acquire {
-        resource: r.into(),
-        holder: h.into(),
-        wait,
-    }
+    Request::acquire(r, h, wait)
 }
 
 impl H {
@@ -47,6 +43,7 @@ impl H {
         let cfg = Config {
             reconnect_window: Duration::from_millis(W),
             admin_token: admin.map(str::to_string),
+            ..Config::default()
         };
         let core = Core::new(
             cfg,
@@ -56,7 +53,8 @@ impl H {
                 unix_ms: 0,
             },
             42,
-        );
+        )
+        .expect("restore");
         H {
             core,
             base,
@@ -110,7 +108,7 @@ impl H {
                     server: "lockd".into(),
                     version: proto::PROTOCOL_VERSION,
                     session: s,
-                    features: vec![],
+                    features: proto::FEATURES.iter().map(|f| f.to_string()).collect(),
                 }
             }]
         );
@@ -145,7 +143,7 @@ impl H {
         })
     }
     pub(super) fn res(&self, r: &str) -> ResourceReport {
-        let st = self.core.status(self.now());
+        let st = self.core.status(self.now(), true);
         st.resources.into_iter().find(|x| x.name == r).unwrap()
     }
 }
@@ -173,7 +171,7 @@ pub(super) fn restarted() -> (H, String) {
 
 pub(super) fn session(h: &H, id: SessionId) -> Option<SessionReport> {
     h.core
-        .status(h.now())
+        .status(h.now(), true)
         .sessions
         .into_iter()
         .find(|x| x.id == id)

@@ -416,6 +416,13 @@ impl SharedTable {
         Ok(EndOutcome { ended, grants })
     }
 
+    /// Whether `resource` has a holder or a waiting request.
+    pub fn in_use(&self, resource: &str) -> bool {
+        self.resources.get(resource).is_some_and(|r| {
+            !r.holders.is_empty() || !r.queue.is_empty() || !r.parked.is_empty()
+        })
+    }
+
     /// The resource's version (0 if never used).
     pub fn version(&self, resource: &str) -> u64 {
         self.resources.get(resource).map_or(0, |r| r.version)

@@ -70,6 +70,7 @@ fn cfg() -> Config {
     Config {
         reconnect_window: Duration::from_millis(1000),
         admin_token: Some("t".into()),
+        ..Config::default()
     }
 }
 
@@ -165,26 +166,16 @@ impl Model {
                 let r = RES[r as usize];
                 self.step(req(
                     s,
-                    Request::Acquire {
-                        resource: r.into(),
-                        holder: format!("h{s}"),
-                        wait,
-                    },
+                    Request::acquire(r, format!("h{s}"), wait),
                 ))?;
             }
             Op::Release(s, r) => self.step(req(
                 s,
-                Request::Release {
-                    resource: RES[r as usize].into(),
-                },
+                Request::release(RES[r as usize]),
             ))?,
             Op::Revoke(s, r) => self.step(req(
                 s,
-                Request::Revoke {
-                    resource: RES[r as usize].into(),
-                    reason: None,
-                    admin_token: Some("t".into()),
-                },
+                Request::revoke(RES[r as usize], None, Some("t".into())),
             ))?,
             Op::Reclaim(s, r, good) => {
                 let r = RES[r as usize];
@@ -200,7 +191,7 @@ impl Model {
                     },
                 ))?;
             }
-            Op::Status(s) => self.step(req(s, Request::Status))?,
+            Op::Status(s) => self.step(req(s, Request::Status { sessions: None }))?,
             Op::Disconnect(s) => {
                 if self.connected.remove(&s).is_some() {
                     self.holder.retain(|_, h| *h != s);
@@ -220,7 +211,8 @@ impl Model {
             }
             Op::Restart => {
                 // Crash: every connection and every unsent event is gone; only `durable` stays.
-                self.core = Core::new(cfg(), self.durable.clone(), self.now(), self.ms);
+                self.core = Core::new(cfg(), self.durable.clone(), self.now(), self.ms)
+                    .map_err(|e| TestCaseError::fail(format!("restore refused: {e}")))?;
                 self.unwritten = None;
                 self.connected.clear();
                 self.holder.clear();
@@ -254,7 +246,8 @@ fn core_invariants_hold_under_random_histories() {
                         unix_ms: 0,
                     },
                     7,
-                ),
+                )
+                .map_err(TestCaseError::fail)?,
                 base,
                 ms: 0,
                 durable: PersistedState::default(),

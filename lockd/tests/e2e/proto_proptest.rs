@@ -10,11 +10,8 @@ fn name() -> impl Strategy<Value = String> {
 
 fn request() -> impl Strategy<Value = Request> {
     prop_oneof![
-        (name(), name(), any::<bool>()).prop_map(|(resource, holder, wait)| Request::Acquire {
-            resource,
-            holder,
-            wait
-        }),
+        (name(), name(), any::<bool>())
+            .prop_map(|(resource, holder, wait)| Request::acquire(resource, holder, wait)),
         (name(), name(), any::<u64>(), "[0-9a-f]{0,32}").prop_map(
             |(resource, holder, epoch, token)| Request::Reclaim {
                 resource,
@@ -23,18 +20,18 @@ fn request() -> impl Strategy<Value = Request> {
                 token
             }
         ),
-        name().prop_map(|resource| Request::Release { resource }),
+        name().prop_map(Request::release),
         (
             name(),
             proptest::option::of(".{0,20}"),
             proptest::option::of("[a-z]{0,10}")
         )
-            .prop_map(|(resource, reason, admin_token)| Request::Revoke {
+            .prop_map(|(resource, reason, admin_token)| Request::revoke(
                 resource,
                 reason,
                 admin_token
-            }),
-        Just(Request::Status),
+            )),
+        Just(Request::Status { sessions: None }),
         Just(Request::Watch),
         Just(Request::Ping),
     ]

@@ -1,0 +1,399 @@
+//! Quantity leases over offers (feature `quantity`): a pool resource has offers (`offer`,
+//! `withdraw`, or the offers file); a request for a quantity is granted all-or-nothing from
+//! one or several matching offers for a lease time = min(offer, request, `--max-lease-time`),
+//! renewals refused past `--max-total-lease-time` or when an offer shrank. Matching,
+//! allocation, waiting order and renewal rules are
+//! [`crate::kinds::quantity::QuantityManager`]'s (one per pool); this module allocates ids,
+//! tokens and epochs and turns its results into durable writes and events.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use super::leases::EndWhy;
+use super::{Core, Now, SessionId};
+use crate::kinds::quantity::{
+    self, OfferSpec, OfferUsage, OnUnavailable, QuantityError, QuantityManager, RequestSpec,
+    Requested,
+};
+use crate::kinds::selector::Selector;
+use crate::proto::{AcquireExt, ErrorCode, Event, LeaseKind, OfferReport, PoolReport};
+
+/// The quantity manager's view of a step's time.
+pub(super) fn qnow(now: Now) -> quantity::Now {
+    quantity::Now {
+        mono: now.mono,
+        unix_ms: now.unix_ms,
+    }
+}
+
+/// The wire form of an offer's use.
+pub(super) fn offer_report(u: &OfferUsage) -> OfferReport {
+    OfferReport {
+        name: u.spec.name.clone(),
+        quantity: u.spec.quantity,
+        capacity: u.capacity,
+        allocated: u.allocated,
+        removed: u.removed,
+        attributes: u.spec.attributes.clone(),
+        max_lease_time_ms: u.spec.max_lease_time_ms,
+        requirements: u.spec.requirements.to_string(),
+    }
+}
+
+impl Core {
+    /// The manager settings of every pool.
+    pub(super) fn quantity_config(&self) -> quantity::Config {
+        quantity::Config {
+            max_lease_time: self.cfg.max_lease_time,
+            max_total_lease_time: self.cfg.max_total_lease_time,
+        }
+    }
+
+    /// `acquire` with `quantity`: from the pool named by `resource`.
+    pub(super) fn quantity_acquire(
+        &mut self,
+        now: Now,
+        s: SessionId,
+        pool: String,
+        holder: String,
+        wait: bool,
+        ext: AcquireExt,
+    ) {
+        if !self.pools.contains_key(&pool) {
+            return self.error(
+                s,
+                ErrorCode::Unsatisfiable,
+                format!("pool {pool:?} has no offers (add some with `lockd offer`)"),
+                Some(&pool),
+            );
+        }
+        // Checked by the decoder; parse again for the typed form.
+        let requirements = match ext.requirements.as_deref().map(Selector::parse) {
+            None => Selector::everything(),
+            Some(Ok(sel)) => sel,
+            Some(Err(e)) => {
+                return self.error(
+                    s,
+                    ErrorCode::InvalidArgument,
+                    format!("requirements: {e}"),
+                    Some(&pool),
+                )
+            }
+        };
+        let (id, token) =
+            self.register(s, LeaseKind::Quantity, &pool, &holder, None, ext.ttl_ms, false);
+        let spec = RequestSpec {
+            holder,
+            quantity: ext.quantity.unwrap_or(1),
+            requirements,
+            attributes: ext.attributes.unwrap_or_default(),
+            lease_time: ext.ttl_ms.map(Duration::from_millis),
+            on_unavailable: if wait {
+                OnUnavailable::Wait
+            } else {
+                OnUnavailable::Fail
+            },
+        };
+        let res = match self.pools.get_mut(&pool) {
+            Some(p) => p.request(qnow(now), id, token, spec),
+            None => return,
+        };
+        match res {
+            Ok(Requested::Granted(_)) => self.quantity_granted(now, &pool, id),
+            Ok(Requested::Queued { ahead }) => self.send(
+                s,
+                Event::Queued {
+                    resource: pool,
+                    position: ahead + 1,
+                    lease_id: Some(id),
+                },
+            ),
+            Err(e) => {
+                self.forget(now, id, EndWhy::Released, false);
+                let code = match e {
+                    QuantityError::Unavailable { .. } => ErrorCode::Unavailable,
+                    QuantityError::Unsatisfiable { .. } => ErrorCode::Unsatisfiable,
+                    _ => ErrorCode::InvalidArgument,
+                };
+                self.error(s, code, e.to_string(), Some(&pool));
+            }
+        }
+    }
+
+    /// A grant by pool `pool`: a new epoch, durable, announced.
+    fn quantity_granted(&mut self, now: Now, pool: &str, id: u64) {
+        let epoch = self.next_epoch(pool);
+        self.mark_granted(now, id, epoch);
+        if let Some(ev) = self.granted_event(id, false) {
+            self.send_to_lease(id, ev);
+        }
+    }
+
+    /// What pool `pool` reported besides a call's direct answer.
+    fn quantity_events(&mut self, now: Now, pool: &str, events: Vec<quantity::Event>) {
+        for e in events {
+            match e {
+                quantity::Event::Granted(v) => self.quantity_granted(now, pool, v.id),
+                quantity::Event::Unsatisfiable { id, .. } => {
+                    if let Some(s) = self.kl.get(&id).and_then(|l| l.session) {
+                        self.error(
+                            s,
+                            ErrorCode::Unsatisfiable,
+                            format!(
+                                "request {id} dropped: the matching offers of {pool:?} shrank \
+                                 below its quantity"
+                            ),
+                            Some(pool),
+                        );
+                    }
+                    self.forget(now, id, EndWhy::Released, false);
+                }
+                quantity::Event::Expired { id, .. } => {
+                    self.forget(now, id, EndWhy::Expired, true);
+                }
+                quantity::Event::RenewalRefused { id, offer } => {
+                    self.dirty = true;
+                    self.send_to_lease(
+                        id,
+                        Event::RenewalRefused {
+                            lease_id: id,
+                            resource: pool.to_string(),
+                            offer,
+                        },
+                    );
+                }
+                quantity::Event::RenewalAllowed { id } => {
+                    self.dirty = true;
+                    self.send_to_lease(
+                        id,
+                        Event::RenewalAllowed {
+                            lease_id: id,
+                            resource: pool.to_string(),
+                        },
+                    );
+                }
+            }
+        }
+        self.drop_empty_pool(pool);
+    }
+
+    /// A pool without offers, leases or waiters is forgotten (its name is free again).
+    fn drop_empty_pool(&mut self, pool: &str) {
+        let empty = self.pools.get(pool).is_some_and(|p| {
+            p.offers().is_empty() && p.leases().is_empty() && p.waiting().is_empty()
+        });
+        if empty {
+            self.pools.remove(pool);
+            self.dirty = true;
+        }
+    }
+
+    /// End (release, revoke) or withdraw quantity lease `id`.
+    pub(super) fn quantity_end(&mut self, now: Now, id: u64, why: EndWhy) {
+        let Some(l) = self.kl.get(&id).cloned() else {
+            return;
+        };
+        let events = match self.pools.get_mut(&l.resource) {
+            Some(p) => p.release(qnow(now), id, &l.token).unwrap_or_default(),
+            None => Vec::new(),
+        };
+        let tell = !matches!(why, EndWhy::Released);
+        self.forget(now, id, why, tell);
+        self.quantity_events(now, &l.resource, events);
+    }
+
+    /// `renew` of a quantity lease (optionally asking for a new lease time).
+    pub(super) fn quantity_renew(&mut self, now: Now, s: SessionId, id: u64, ttl_ms: Option<u64>) {
+        let Some(l) = self.kl.get(&id).cloned() else {
+            return;
+        };
+        let res = match self.pools.get_mut(&l.resource) {
+            Some(p) => p.renew(qnow(now), id, &l.token, ttl_ms.map(Duration::from_millis)),
+            None => Err(QuantityError::UnknownLease(id)),
+        };
+        match res {
+            Ok(v) => {
+                self.count_renewal(LeaseKind::Quantity, true);
+                self.send(
+                    s,
+                    Event::Renewed {
+                        lease_id: id,
+                        resource: l.resource,
+                        expires_at_unix_ms: v.expires_unix_ms,
+                    },
+                );
+            }
+            Err(e) => {
+                self.count_renewal(LeaseKind::Quantity, false);
+                let code = match e {
+                    QuantityError::RenewalRefused { .. } | QuantityError::MaxTotalLeaseTime(_) => {
+                        ErrorCode::RenewalRefused
+                    }
+                    QuantityError::Expired(_) | QuantityError::UnknownLease(_) => {
+                        ErrorCode::LeaseEnded
+                    }
+                    _ => ErrorCode::WrongLease,
+                };
+                self.error(s, code, e.to_string(), Some(&l.resource));
+            }
+        }
+    }
+
+    /// Lease times that ran out, in every pool.
+    pub(super) fn quantity_tick(&mut self, now: Now) {
+        let due: Vec<String> = self
+            .pools
+            .iter()
+            .filter(|(_, p)| p.next_deadline().is_some_and(|d| d <= now.mono))
+            .map(|(n, _)| n.clone())
+            .collect();
+        for pool in due {
+            let events = match self.pools.get_mut(&pool) {
+                Some(p) => p.tick(qnow(now)),
+                None => continue,
+            };
+            self.quantity_events(now, &pool, events);
+        }
+    }
+
+    /// Set an offer (from the wire or the offers file); returns the leases whose renewals
+    /// are now refused, or why it was refused.
+    pub(super) fn set_offer(
+        &mut self,
+        now: Now,
+        pool: &str,
+        spec: OfferSpec,
+    ) -> Result<Vec<u64>, String> {
+        if let Some(k) = self.kind_in_use(pool).filter(|k| *k != LeaseKind::Quantity) {
+            return Err(format!("{pool:?} is in use as a {} lease", k.as_str()));
+        }
+        if !self.pools.contains_key(pool) {
+            let m = QuantityManager::new(self.quantity_config()).map_err(|e| e.to_string())?;
+            self.pools.insert(pool.to_string(), m);
+        }
+        let res = match self.pools.get_mut(pool) {
+            Some(p) => p.upsert_offer(qnow(now), spec),
+            None => return Err("no pool".into()),
+        };
+        match res {
+            Ok(events) => {
+                self.dirty = true;
+                let refused = refused_ids(&events);
+                self.quantity_events(now, pool, events);
+                Ok(refused)
+            }
+            Err(e) => {
+                self.drop_empty_pool(pool);
+                Err(e.to_string())
+            }
+        }
+    }
+
+    /// `offer`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn offer(
+        &mut self,
+        now: Now,
+        s: SessionId,
+        pool: String,
+        name: String,
+        quantity: u32,
+        attributes: BTreeMap<String, String>,
+        max_lease_time_ms: Option<u64>,
+        requirements: Option<String>,
+    ) {
+        let requirements = match requirements.as_deref().map(Selector::parse) {
+            None => Selector::everything(),
+            Some(Ok(sel)) => sel,
+            Some(Err(e)) => {
+                return self.error(
+                    s,
+                    ErrorCode::BadOffer,
+                    format!("requirements: {e}"),
+                    Some(&pool),
+                )
+            }
+        };
+        let spec = OfferSpec {
+            name: name.clone(),
+            quantity,
+            attributes,
+            max_lease_time_ms,
+            requirements,
+        };
+        match self.set_offer(now, &pool, spec) {
+            Ok(renewal_refused) => {
+                let offer = self
+                    .pools
+                    .get(&pool)
+                    .and_then(|p| p.offer(&name))
+                    .map(|u| offer_report(&u));
+                if let Some(offer) = offer {
+                    self.send(
+                        s,
+                        Event::Offered {
+                            pool,
+                            offer,
+                            renewal_refused,
+                        },
+                    );
+                }
+            }
+            Err(e) => {
+                let code = if e.contains("in use as a") {
+                    ErrorCode::KindMismatch
+                } else {
+                    ErrorCode::BadOffer
+                };
+                self.error(s, code, e, Some(&pool));
+            }
+        }
+    }
+
+    /// `withdraw`: the offer's capacity goes to 0; its leases run out (renewals refused).
+    pub(super) fn withdraw(&mut self, now: Now, s: SessionId, pool: String, name: String) {
+        let res = match self.pools.get_mut(&pool) {
+            Some(p) => p.remove_offer(&name),
+            None => Err(QuantityError::UnknownOffer(name.clone())),
+        };
+        match res {
+            Ok(events) => {
+                self.dirty = true;
+                let renewal_refused = refused_ids(&events);
+                self.quantity_events(now, &pool, events);
+                self.send(
+                    s,
+                    Event::Withdrawn {
+                        pool,
+                        name,
+                        renewal_refused,
+                    },
+                );
+            }
+            Err(e) => self.error(s, ErrorCode::BadOffer, e.to_string(), Some(&pool)),
+        }
+    }
+
+    /// Every pool, for `status`.
+    pub(super) fn pool_reports(&self) -> Vec<PoolReport> {
+        self.pools
+            .iter()
+            .map(|(name, p)| PoolReport {
+                name: name.clone(),
+                offers: p.offers().iter().map(offer_report).collect(),
+                leases: p.leases().len(),
+                waiting: p.waiting().len(),
+            })
+            .collect()
+    }
+}
+
+fn refused_ids(events: &[quantity::Event]) -> Vec<u64> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            quantity::Event::RenewalRefused { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect()
+}
