@@ -806,9 +806,7 @@ impl Task {
         match ev {
             Event::Queued {
                 resource, position, ..
-            } => {
-                self.emit(LockEvent::Queued { resource, position })
-            }
+            } => self.emit(LockEvent::Queued { resource, position }),
             Event::Busy { resource, holder } => {
                 self.waiting.remove(&resource);
                 self.emit(LockEvent::Busy { resource, holder });

@@ -376,10 +376,7 @@ fn revoke(
     reason: String,
     admin_token: Option<String>,
 ) -> std::result::Result<(), Fail> {
-    let v = one_shot(
-        ep,
-        &Request::revoke(resource, Some(reason), admin_token),
-    )?;
+    let v = one_shot(ep, &Request::revoke(resource, Some(reason), admin_token))?;
     if let Some(f) = err_of(&v) {
         return Err(f);
     }

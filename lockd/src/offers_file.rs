@@ -43,17 +43,25 @@ pub fn parse(text: &str) -> Result<Vec<(String, OfferSpec)>, String> {
     let mut out = Vec::new();
     for (pool, offers) in pools {
         if pool.is_empty() || pool.len() > crate::proto::MAX_NAME_LEN {
-            return Err(format!("offers file: pool name {pool:?} is empty or too long"));
+            return Err(format!(
+                "offers file: pool name {pool:?} is empty or too long"
+            ));
         }
         let mut seen = std::collections::BTreeSet::new();
         for o in offers {
             if !seen.insert(o.name.clone()) {
-                return Err(format!("offers file: pool {pool:?}: offer {:?} twice", o.name));
+                return Err(format!(
+                    "offers file: pool {pool:?}: offer {:?} twice",
+                    o.name
+                ));
             }
             let requirements = match o.requirements.as_deref() {
                 None => Selector::everything(),
                 Some(t) => Selector::parse(t).map_err(|e| {
-                    format!("offers file: pool {pool:?}: offer {:?}: requirements: {e}", o.name)
+                    format!(
+                        "offers file: pool {pool:?}: offer {:?}: requirements: {e}",
+                        o.name
+                    )
                 })?,
             };
             if o.max_lease_time_ms == Some(0) {
@@ -99,10 +107,22 @@ mod tests {
         assert_eq!((o[1].0.as_str(), o[1].1.quantity), ("gpus", 4));
         assert_eq!(o[1].1.requirements.to_string(), "team in (x,y)");
         for (bad, why) in [
-            (r#"{"p":[{"name":"a","quantity":1},{"name":"a","quantity":2}]}"#, "twice"),
-            (r#"{"p":[{"name":"a","quantity":1,"requirements":"x in ("}]}"#, "\"a\": requirements"),
-            (r#"{"p":[{"name":"a","quantity":1,"colour":"red"}]}"#, "unknown field"),
-            (r#"{"p":[{"name":"a","quantity":1,"max_lease_time_ms":0}]}"#, "positive"),
+            (
+                r#"{"p":[{"name":"a","quantity":1},{"name":"a","quantity":2}]}"#,
+                "twice",
+            ),
+            (
+                r#"{"p":[{"name":"a","quantity":1,"requirements":"x in ("}]}"#,
+                "\"a\": requirements",
+            ),
+            (
+                r#"{"p":[{"name":"a","quantity":1,"colour":"red"}]}"#,
+                "unknown field",
+            ),
+            (
+                r#"{"p":[{"name":"a","quantity":1,"max_lease_time_ms":0}]}"#,
+                "positive",
+            ),
             ("[]", "offers file"),
         ] {
             let e = parse(bad).unwrap_err();

@@ -458,8 +458,7 @@ fn validate(req: &Request) -> Result<(), DecodeError> {
                     "quantity and mode do not combine (a pool has no modes)".into(),
                 ));
             }
-            if ext.quantity.is_none() && (ext.requirements.is_some() || ext.attributes.is_some())
-            {
+            if ext.quantity.is_none() && (ext.requirements.is_some() || ext.attributes.is_some()) {
                 return Err(DecodeError::Invalid(
                     "requirements and attributes go with quantity".into(),
                 ));
@@ -1169,10 +1168,7 @@ mod tests {
     #[test]
     fn acquire_defaults_wait_true() {
         let r = decode_request(br#"{"op":"acquire","resource":"e","holder":"a"}"#, 1024).unwrap();
-        assert_eq!(
-            r,
-            Request::acquire("e", "a", true)
-        );
+        assert_eq!(r, Request::acquire("e", "a", true));
     }
 
     #[test]
@@ -1342,7 +1338,7 @@ mod tests {
                 Event::Queued {
                     resource: "engine".into(),
                     position: 1,
-                lease_id: None,
+                    lease_id: None,
                 },
                 r#"{"event":"queued","resource":"engine","position":1}"#,
             ),
@@ -1357,7 +1353,7 @@ mod tests {
                 Event::Released {
                     resource: "engine".into(),
                     epoch: 5,
-                lease_id: None,
+                    lease_id: None,
                 },
                 r#"{"event":"released","resource":"engine","epoch":5}"#,
             ),

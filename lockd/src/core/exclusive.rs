@@ -47,11 +47,14 @@ impl Core {
             if let Some(sess) = self.sessions.get_mut(&s) {
                 sess.waits.insert(resource.clone());
             }
-            self.send(s, Event::Queued {
-                resource,
-                position,
-                lease_id: None,
-            });
+            self.send(
+                s,
+                Event::Queued {
+                    resource,
+                    position,
+                    lease_id: None,
+                },
+            );
         }
     }
 
@@ -324,13 +327,7 @@ impl Core {
     }
 
     /// `revoke`: mark the lease revoked and tell its holder; it ends only when its session does.
-    pub(super) fn revoke(
-        &mut self,
-        now: Now,
-        s: SessionId,
-        resource: String,
-        reason: String,
-    ) {
+    pub(super) fn revoke(&mut self, now: Now, s: SessionId, resource: String, reason: String) {
         let Some(res) = self.table.resources.get_mut(&resource) else {
             return self.error(
                 s,
@@ -466,7 +463,7 @@ mod tests {
             vec![Event::Queued {
                 resource: "e".into(),
                 position: 1,
-            lease_id: None,
+                lease_id: None,
             }]
         );
         let out = h.req(3, acq("e", "c", true));
@@ -475,7 +472,7 @@ mod tests {
             vec![Event::Queued {
                 resource: "e".into(),
                 position: 2,
-            lease_id: None,
+                lease_id: None,
             }]
         );
         let out = h.req(4, acq("e", "d", false));
@@ -547,40 +544,24 @@ mod tests {
         h.req(1, acq("e", "a", true));
         h.req(2, acq("e", "b", true));
         assert_eq!(
-            H::to(
-                &h.req(
-                    2,
-                    Request::release("e")
-                ),
-                2
-            ),
+            H::to(&h.req(2, Request::release("e")), 2),
             vec![Event::Cancelled {
                 resource: "e".into()
             }]
         );
         assert!(h.res("e").waiters.is_empty());
         assert_eq!(
-            H::err_code(
-                &h.req(
-                    3,
-                    Request::release("e")
-                ),
-                3
-            )
-            .as_deref(),
+            H::err_code(&h.req(3, Request::release("e")), 3).as_deref(),
             Some("not_holder")
         );
         h.req(3, acq("e", "c", true));
-        let out = h.req(
-            1,
-            Request::release("e"),
-        );
+        let out = h.req(1, Request::release("e"));
         assert_eq!(
             H::to(&out, 1),
             vec![Event::Released {
                 resource: "e".into(),
                 epoch: 1,
-            lease_id: None,
+                lease_id: None,
             }]
         );
         assert_eq!(H::granted(&out, 3).unwrap().0, 2);
@@ -612,7 +593,7 @@ mod tests {
             vec![Event::Queued {
                 resource: "e".into(),
                 position: 1,
-            lease_id: None,
+                lease_id: None,
             }]
         );
         assert_eq!(H::to(&h.req(3, acq("e", "b", false)), 3).len(), 1);
@@ -733,10 +714,7 @@ mod tests {
         }
         h.req(1, acq("e", "a", true));
         h.req(2, acq("e", "b", true));
-        let out = h.req(
-            3,
-            Request::revoke("e", Some("drain".into()), None),
-        );
+        let out = h.req(3, Request::revoke("e", Some("drain".into()), None));
         assert_eq!(
             H::to(&out, 1),
             vec![Event::Revoked {
@@ -757,10 +735,7 @@ mod tests {
         let r = h.res("e");
         assert_eq!((r.state, r.revoked), (proto::LeaseState::Held, true));
         // Revoking again re-notifies but does not count twice.
-        h.req(
-            3,
-            Request::revoke("e", None, None),
-        );
+        h.req(3, Request::revoke("e", None, None));
         assert_eq!(h.core.counters().revocations, 1);
         let out = h.step(Input::Disconnect { session: 1 });
         assert_eq!(H::granted(&out, 2).unwrap().0, 2);
@@ -775,27 +750,18 @@ mod tests {
         h.connect(2, "tcp");
         h.req(1, acq("e", "a", true));
         for tok in [None, Some("wrong".to_string())] {
-            let out = h.req(
-                2,
-                Request::revoke("e", None, tok),
-            );
+            let out = h.req(2, Request::revoke("e", None, tok));
             assert_eq!(H::err_code(&out, 2).as_deref(), Some("unauthorized"));
             assert!(H::to(&out, 1).is_empty());
         }
-        let out = h.req(
-            2,
-            Request::revoke("e", None, Some("s3cret".into())),
-        );
+        let out = h.req(2, Request::revoke("e", None, Some("s3cret".into())));
         assert!(matches!(H::to(&out, 2)[0], Event::RevokeSent { .. }));
         // Without a configured token, TCP revoke is always refused.
         let mut h = H::new();
         h.connect(1, "unix");
         h.connect(2, "tcp");
         h.req(1, acq("e", "a", true));
-        let out = h.req(
-            2,
-            Request::revoke("e", None, Some(String::new())),
-        );
+        let out = h.req(2, Request::revoke("e", None, Some(String::new())));
         assert_eq!(H::err_code(&out, 2).as_deref(), Some("unauthorized"));
     }
 
@@ -803,19 +769,13 @@ mod tests {
     fn revoke_of_free_is_not_held_and_of_reclaiming_waits_for_the_holder() {
         let mut h = H::new();
         h.connect(1, "unix");
-        let out = h.req(
-            1,
-            Request::revoke("e", None, None),
-        );
+        let out = h.req(1, Request::revoke("e", None, None));
         assert_eq!(H::err_code(&out, 1).as_deref(), Some("not_held"));
         let (mut h, token) = restarted();
         h.connect(2, "unix");
         h.connect(3, "unix");
         h.req(3, acq("e", "b", true));
-        let out = h.req(
-            2,
-            Request::revoke("e", None, None),
-        );
+        let out = h.req(2, Request::revoke("e", None, None));
         // The holder may still run: nobody else is granted while the window is open.
         assert_eq!(H::granted(&out, 3), None, "{out:?}");
         assert!(matches!(
@@ -826,10 +786,7 @@ mod tests {
         assert!(h.res("e").revoked);
         assert_eq!(h.core.counters().revocations, 1);
         // A second revoke is not counted again.
-        h.req(
-            2,
-            Request::revoke("e", None, None),
-        );
+        h.req(2, Request::revoke("e", None, None));
         assert_eq!(h.core.counters().revocations, 1);
         // The holder comes back: it gets its lease, and at once the revocation.
         h.connect(4, "unix");
@@ -871,10 +828,7 @@ mod tests {
             let mut h = H::new();
             h.connect(1, "unix");
             let (_, token, _) = H::granted(&h.req(1, acq("e", "a", true)), 1).unwrap();
-            h.req(
-                1,
-                Request::revoke("e", None, None),
-            );
+            h.req(1, Request::revoke("e", None, None));
             let st = h.persisted.clone().unwrap();
             assert!(st.resources["e"].holder.as_ref().unwrap().revoked);
             (st, token)

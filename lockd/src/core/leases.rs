@@ -15,8 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::records::Tombstone;
 use super::{Core, Now, SessionId};
 use crate::proto::{
-    ErrorCode, Event, KindCounters, LeaseFields, LeaseKind, LeaseReport, Mode, Notice,
-    NoticeKind,
+    ErrorCode, Event, KindCounters, LeaseFields, LeaseKind, LeaseReport, Mode, Notice, NoticeKind,
 };
 
 /// One version-2 lease (or request still waiting), as the core tracks it.
@@ -161,8 +160,13 @@ impl Core {
         l.granted = true;
         l.epoch = epoch;
         l.granted_at_unix_ms = now.unix_ms;
-        let (kind, resource, holder, session, mode) =
-            (l.kind, l.resource.clone(), l.holder.clone(), l.session, l.mode);
+        let (kind, resource, holder, session, mode) = (
+            l.kind,
+            l.resource.clone(),
+            l.holder.clone(),
+            l.session,
+            l.mode,
+        );
         {
             let r = self.table.entry(&resource);
             r.epoch = r.epoch.max(epoch);
@@ -447,7 +451,12 @@ impl Core {
                 },
             );
         } else {
-            self.send(s, Event::Cancelled { resource: l.resource });
+            self.send(
+                s,
+                Event::Cancelled {
+                    resource: l.resource,
+                },
+            );
         }
     }
 
@@ -741,12 +750,7 @@ impl Core {
         match self.tombs.get(&id) {
             Some(t) => LeaseReport {
                 lease_id: id,
-                state: t
-                    .reason
-                    .split(':')
-                    .next()
-                    .unwrap_or("released")
-                    .to_string(),
+                state: t.reason.split(':').next().unwrap_or("released").to_string(),
                 kind: Some(t.kind),
                 resource: Some(t.resource.clone()),
                 holder: Some(t.holder.clone()),

@@ -27,9 +27,9 @@ mod session;
 mod shared;
 mod status;
 mod table;
-mod ttl;
 #[cfg(test)]
 mod testkit;
+mod ttl;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -38,12 +38,12 @@ use rand::{rngs::StdRng, RngCore, SeedableRng};
 
 use crate::proto::{Counters, ErrorCode, Event, Notice, PeerInfo, Request};
 
+pub use leases::KindLease;
 pub use records::{
     decode_state, PersistedLease, PersistedResource, PersistedState, Tombstone,
     READABLE_STATE_VERSIONS, STATE_VERSION,
 };
 use session::Session;
-pub use leases::KindLease;
 pub use table::{LeaseKind, LeaseMode};
 use table::{LeaseState, Table};
 
@@ -246,12 +246,9 @@ impl Core {
         let mut pools = BTreeMap::new();
         let mut pool_events = Vec::new();
         for (name, rec) in state.pools {
-            let (m, ev) = crate::kinds::quantity::QuantityManager::restore(
-                qcfg,
-                rec,
-                quantity::qnow(now),
-            )
-            .map_err(|e| format!("pool {name:?}: {e}"))?;
+            let (m, ev) =
+                crate::kinds::quantity::QuantityManager::restore(qcfg, rec, quantity::qnow(now))
+                    .map_err(|e| format!("pool {name:?}: {e}"))?;
             pool_events.push((name.clone(), ev));
             pools.insert(name, m);
         }

@@ -80,8 +80,15 @@ impl Core {
                 )
             }
         };
-        let (id, token) =
-            self.register(s, LeaseKind::Quantity, &pool, &holder, None, ext.ttl_ms, false);
+        let (id, token) = self.register(
+            s,
+            LeaseKind::Quantity,
+            &pool,
+            &holder,
+            None,
+            ext.ttl_ms,
+            false,
+        );
         let spec = RequestSpec {
             holder,
             quantity: ext.quantity.unwrap_or(1),
@@ -396,4 +403,227 @@ fn refused_ids(events: &[quantity::Event]) -> Vec<u64> {
             _ => None,
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    //! Quantity leases over offers, through the core (seed 001).
+    use crate::core::testkit::*;
+    use crate::proto::LeaseKind;
+
+    #[test]
+    fn one_request_from_several_offers_with_the_minimum_lease_time() {
+        let mut h = H::with_cfg(PersistedState::default(), None, 0, |c| {
+            c.max_lease_time = Duration::from_millis(5000)
+        });
+        h.connect(1, "unix");
+        h.connect(2, "unix");
+        let out = h.req(1, offer("gpus", "a", 4, Some(3000)));
+        assert!(matches!(&H::to(&out, 1)[..], [Event::Offered { .. }]));
+        h.req(1, offer("gpus", "b", 4, None));
+        let g = H::g(&h.req(2, acq_q("gpus", "eng", 6, Some(4000), true)), 2).unwrap();
+        let allocs = g.lease.allocations.clone().unwrap();
+        assert_eq!(allocs.iter().map(|a| a.quantity).sum::<u32>(), 6);
+        assert_eq!(allocs.len(), 2);
+        // min(offer a 3000, request 4000, manager 5000) = 3000.
+        assert_eq!(g.lease.expires_at_unix_ms, Some(3000));
+        assert_eq!(g.lease.kind, Some(LeaseKind::Quantity));
+        // Not enough left: fail at once, or wait.
+        let out = h.req(2, acq_q("gpus", "x", 3, None, false));
+        assert_eq!(H::err_code(&out, 2).as_deref(), Some("unavailable"));
+        let out = h.req(2, acq_q("gpus", "x", 9, None, true));
+        assert_eq!(H::err_code(&out, 2).as_deref(), Some("unsatisfiable"));
+        h.connect(3, "unix");
+        let out = h.req(3, acq_q("gpus", "y", 3, None, true));
+        assert!(matches!(
+            &H::to(&out, 3)[..],
+            [Event::Queued {
+                lease_id: Some(_),
+                ..
+            }]
+        ));
+        let out = h.req(
+            2,
+            Request::Release {
+                resource: None,
+                lease_id: Some(g.id),
+                token: Some(g.token.clone()),
+            },
+        );
+        assert!(
+            H::g(&out, 3).is_some(),
+            "the waiter is granted when capacity returns"
+        );
+    }
+
+    #[test]
+    fn a_shrinking_offer_refuses_the_newest_leases_renewals() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        h.req(1, offer("p", "a", 4, None));
+        let old = H::g(&h.req(1, acq_q("p", "old", 2, Some(1000), true)), 1).unwrap();
+        h.ms = 10;
+        let new = H::g(&h.req(1, acq_q("p", "new", 2, Some(1000), true)), 1).unwrap();
+        let out = h.req(1, offer("p", "a", 2, None));
+        let ev = H::to(&out, 1);
+        assert!(
+            ev.iter().any(
+                |e| matches!(e, Event::RenewalRefused { lease_id, .. } if *lease_id == new.id)
+            ),
+            "{ev:?}"
+        );
+        assert!(ev.iter().any(|e| matches!(e, Event::Offered { renewal_refused, .. } if renewal_refused == &vec![new.id])));
+        let renew = |g: &G| Request::Renew {
+            lease_id: g.id,
+            token: g.token.clone(),
+            ttl_ms: None,
+        };
+        assert_eq!(
+            H::err_code(&h.req(1, renew(&new)), 1).as_deref(),
+            Some("renewal_refused")
+        );
+        assert!(matches!(
+            &H::to(&h.req(1, renew(&old)), 1)[..],
+            [Event::Renewed { .. }]
+        ));
+        assert_eq!(h.lease(1, new.id).renewal_refused.as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn max_total_lease_time_refuses_renewal() {
+        let mut h = H::with_cfg(PersistedState::default(), None, 0, |c| {
+            c.max_total_lease_time = Duration::from_millis(1500)
+        });
+        h.connect(1, "unix");
+        h.req(1, offer("p", "a", 1, None));
+        let g = H::g(&h.req(1, acq_q("p", "w", 1, Some(1000), true)), 1).unwrap();
+        let renew = Request::Renew {
+            lease_id: g.id,
+            token: g.token.clone(),
+            ttl_ms: None,
+        };
+        h.ms = 900;
+        let out = h.req(1, renew.clone());
+        assert!(matches!(
+            &H::to(&out, 1)[..],
+            [Event::Renewed {
+                expires_at_unix_ms: 1500,
+                ..
+            }]
+        ));
+        h.ms = 1000;
+        assert_eq!(
+            H::err_code(&h.req(1, renew), 1).as_deref(),
+            Some("renewal_refused")
+        );
+    }
+
+    #[test]
+    fn requirements_match_both_ways() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        let mut o = offer("p", "h100", 2, None);
+        if let Request::Offer {
+            attributes,
+            requirements,
+            ..
+        } = &mut o
+        {
+            attributes.insert("model".into(), "h100".into());
+            *requirements = Some("team in (infer)".into());
+        }
+        h.req(1, o);
+        let mut o = offer("p", "a100", 2, None);
+        if let Request::Offer { attributes, .. } = &mut o {
+            attributes.insert("model".into(), "a100".into());
+        }
+        h.req(1, o);
+        let ask = |model: &str, team: Option<&str>| {
+            let mut r = acq_q("p", "w", 1, None, false);
+            if let Request::Acquire { ext, .. } = &mut r {
+                ext.requirements = Some(format!("model={model}"));
+                ext.attributes = team.map(|t| [("team".to_string(), t.to_string())].into());
+            }
+            r
+        };
+        let g = H::g(&h.req(1, ask("h100", Some("infer"))), 1).unwrap();
+        assert_eq!(g.lease.allocations.unwrap()[0].offer, "h100");
+        // The h100 offer requires team=infer of the request: refused to others.
+        let out = h.req(1, ask("h100", Some("train")));
+        assert_eq!(H::err_code(&out, 1).as_deref(), Some("unavailable"));
+        let g = H::g(&h.req(1, ask("a100", None)), 1).unwrap();
+        assert_eq!(g.lease.allocations.unwrap()[0].offer, "a100");
+    }
+
+    #[test]
+    fn a_lease_is_resumed_after_the_clients_crash_and_survives_a_lockd_restart() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        h.req(1, offer("p", "a", 2, None));
+        let g = H::g(&h.req(1, acq_q("p", "w", 2, Some(10_000), true)), 1).unwrap();
+        h.step(Input::Disconnect { session: 1 });
+        let st = h.persisted.clone().unwrap();
+        let mut h = H::restart_at(st, 500);
+        h.connect(2, "unix");
+        let back = H::g(
+            &h.req(
+                2,
+                Request::Resume {
+                    lease_id: g.id,
+                    token: g.token.clone(),
+                },
+            ),
+            2,
+        )
+        .unwrap();
+        assert_eq!(
+            (back.epoch, back.lease.expires_at_unix_ms),
+            (g.epoch, Some(10_000))
+        );
+        let out = h.req(
+            2,
+            Request::Resume {
+                lease_id: g.id,
+                token: "forged".into(),
+            },
+        );
+        assert_eq!(H::err_code(&out, 2).as_deref(), Some("bad_token"));
+        let st = h.st();
+        assert_eq!(st.pools[0].offers[0].allocated, 2);
+        // Withdrawing the offer refuses the lease's renewals; it runs out at its deadline.
+        let out = h.req(
+            2,
+            Request::Withdraw {
+                pool: "p".into(),
+                name: "a".into(),
+                admin_token: None,
+            },
+        );
+        assert!(H::to(&out, 2).iter().any(|e| matches!(e, Event::Withdrawn { renewal_refused, .. } if renewal_refused == &vec![g.id])));
+        h.ms = 10_000;
+        let out = h.step(Input::Tick);
+        assert!(
+            matches!(&H::to(&out, 2)[..], [Event::LeaseEnded { reason, .. }] if reason == "expired")
+        );
+        assert!(
+            h.st().pools.is_empty(),
+            "a pool with nothing left is forgotten"
+        );
+    }
+
+    #[test]
+    fn offers_over_tcp_need_the_admin_token() {
+        let mut h = H::with_state(PersistedState::default(), Some("s3cret"));
+        h.connect(1, "tcp");
+        let out = h.req(1, offer("p", "a", 1, None));
+        assert_eq!(H::err_code(&out, 1).as_deref(), Some("unauthorized"));
+        let mut o = offer("p", "a", 1, None);
+        if let Request::Offer { admin_token, .. } = &mut o {
+            *admin_token = Some("s3cret".into());
+        }
+        assert!(matches!(
+            &H::to(&h.req(1, o), 1)[..],
+            [Event::Offered { .. }]
+        ));
+    }
 }

@@ -224,17 +224,11 @@ mod tests {
         assert!(h.res("f").waiters.is_empty());
         // A revoke of its lease is sent nowhere, and the lease stays until the anchor closes.
         h.connect(3, "unix");
-        let out = h.req(
-            3,
-            Request::revoke("e", Some("ops".into()), None),
-        );
+        let out = h.req(3, Request::revoke("e", Some("ops".into()), None));
         assert!(H::to(&out, 1).is_empty(), "{out:?}");
         assert!(matches!(H::to(&out, 3)[..], [Event::RevokeSent { .. }]));
         // Releasing f frees it: session 1 does not get it.
-        let out = h.req(
-            2,
-            Request::release("f"),
-        );
+        let out = h.req(2, Request::release("f"));
         assert!(H::to(&out, 1).is_empty());
         assert_eq!(h.res("f").state, proto::LeaseState::Free);
         // Requests "from" it are ignored (no connection can carry them).

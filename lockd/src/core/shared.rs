@@ -180,7 +180,11 @@ impl Core {
 
     /// `renew` of a timed shared-kind lease.
     pub(super) fn shared_renew(&mut self, now: Now, s: SessionId, id: u64, ttl_ms: Option<u64>) {
-        let resource = self.kl.get(&id).map(|l| l.resource.clone()).unwrap_or_default();
+        let resource = self
+            .kl
+            .get(&id)
+            .map(|l| l.resource.clone())
+            .unwrap_or_default();
         if self.kl.get(&id).is_some_and(|l| l.bound) {
             return self.error(
                 s,
@@ -279,7 +283,11 @@ impl Core {
 
     /// Timed shared-kind leases whose TTL ran out.
     pub(super) fn shared_tick(&mut self, now: Now) {
-        if self.shared_ttl.next_deadline().is_some_and(|d| d <= now.mono) {
+        if self
+            .shared_ttl
+            .next_deadline()
+            .is_some_and(|d| d <= now.mono)
+        {
             for e in self.shared_ttl.tick(now) {
                 let why = match e.reason {
                     EndReason::Expired => EndWhy::Expired,
@@ -289,5 +297,200 @@ impl Core {
                 self.shared_end(now, e.id, why, true);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Shared/exclusive leases with versions, through the core (seed 002).
+    use crate::core::testkit::*;
+    use crate::proto::{LeaseKind, Mode};
+
+    fn commit(g: &G) -> Request {
+        Request::Commit {
+            lease_id: g.id,
+            token: g.token.clone(),
+        }
+    }
+
+    #[test]
+    fn many_readers_one_writer_with_writer_priority() {
+        let mut h = H::new();
+        for s in 1..=5 {
+            h.connect(s, "unix");
+        }
+        let r1 = H::g(&h.req(1, acq_shared("w", "r1", true, None)), 1).unwrap();
+        let r2 = H::g(&h.req(2, acq_shared("w", "r2", true, None)), 2).unwrap();
+        assert_eq!(
+            (r1.lease.mode, r1.lease.version),
+            (Some(Mode::Shared), Some(0))
+        );
+        assert!(r2.epoch > r1.epoch);
+        // A writer waits for the readers...
+        let out = h.req(3, acq_shared("w", "wr", false, None));
+        assert!(matches!(
+            &H::to(&out, 3)[..],
+            [Event::Queued {
+                lease_id: Some(_),
+                ..
+            }]
+        ));
+        // ... and a reader arriving after it waits behind it (writer priority).
+        let out = h.req(4, acq_shared("w", "r3", true, None));
+        assert!(H::g(&out, 4).is_none());
+        h.step(Input::Disconnect { session: 1 });
+        let out = h.step(Input::Disconnect { session: 2 });
+        let w = H::g(&out, 3).unwrap();
+        assert!(H::g(&out, 4).is_none(), "no reader beside the writer");
+        assert_eq!(w.lease.mode, Some(Mode::Exclusive));
+        // The writer commits: version 1; it ends; the reader sees version 1.
+        let out = h.req(3, commit(&w));
+        assert!(matches!(
+            &H::to(&out, 3)[..],
+            [Event::Committed { version: 1, .. }]
+        ));
+        let out = h.req(3, Request::release("w"));
+        let r3 = H::g(&out, 4).unwrap();
+        assert_eq!(r3.lease.version, Some(1));
+        assert_eq!(h.st().counters_by_kind[&LeaseKind::Shared].commits, 1);
+    }
+
+    #[test]
+    fn a_writer_that_dies_before_committing_leaves_the_version() {
+        let mut h = H::new();
+        for s in 1..=3 {
+            h.connect(s, "unix");
+        }
+        let w = H::g(&h.req(1, acq_shared("m", "w1", false, None)), 1).unwrap();
+        h.req(1, commit(&w));
+        h.step(Input::Disconnect { session: 1 });
+        let w2 = H::g(&h.req(2, acq_shared("m", "w2", false, None)), 2).unwrap();
+        assert_eq!(w2.lease.version, Some(1));
+        h.step(Input::Disconnect { session: 2 }); // killed before its commit
+        let r = H::g(&h.req(3, acq_shared("m", "r", true, None)), 3).unwrap();
+        assert_eq!(r.lease.version, Some(1));
+        assert!(r.epoch > w2.epoch);
+    }
+
+    #[test]
+    fn min_version_waits_for_the_commit_that_reaches_it() {
+        let mut h = H::new();
+        for s in 1..=3 {
+            h.connect(s, "unix");
+        }
+        let out = h.req(1, acq_shared("m", "r", true, Some(2)));
+        assert!(H::g(&out, 1).is_none());
+        let w = H::g(&h.req(2, acq_shared("m", "w", false, None)), 2).unwrap();
+        h.req(2, commit(&w));
+        assert!(
+            H::g(&h.req(2, commit(&w)), 1).is_none(),
+            "not beside the writer"
+        );
+        let r = H::g(&h.req(2, Request::release("m")), 1).unwrap();
+        assert_eq!(r.lease.version, Some(2));
+        // Only the exclusive holder commits.
+        let out = h.req(1, commit(&r));
+        assert_eq!(H::err_code(&out, 1).as_deref(), Some("wrong_lease"));
+    }
+
+    #[test]
+    fn revoking_a_connection_bound_lease_tells_the_holder_and_ends_with_its_session() {
+        let mut h = H::new();
+        for s in 1..=3 {
+            h.connect(s, "unix");
+        }
+        let w = H::g(&h.req(1, acq_shared("m", "w", false, None)), 1).unwrap();
+        h.req(2, acq_shared("m", "r", true, None));
+        let out = h.req(
+            3,
+            Request::Revoke {
+                resource: None,
+                lease_id: Some(w.id),
+                reason: Some("ops".into()),
+                admin_token: None,
+            },
+        );
+        assert!(matches!(&H::to(&out, 1)[..], [Event::Revoked { .. }]));
+        assert!(H::g(&out, 2).is_none(), "held until the holder is gone");
+        let out = h.step(Input::Disconnect { session: 1 });
+        assert!(H::g(&out, 2).is_some());
+        assert!(h.lease(3, w.id).state.starts_with("revoked"));
+        let c = h.st().counters_by_kind[&LeaseKind::Shared];
+        assert_eq!((c.revocations, c.releases), (1, 0));
+    }
+
+    #[test]
+    fn a_timed_shared_lease_expires_unless_renewed() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        h.connect(2, "unix");
+        let mut req = acq_shared("m", "w", false, None);
+        if let Request::Acquire { ext, .. } = &mut req {
+            ext.ttl_ms = Some(100);
+        }
+        let w = H::g(&h.req(1, req), 1).unwrap();
+        assert_eq!(w.lease.expires_at_unix_ms, Some(100));
+        h.req(2, acq_shared("m", "r", true, None));
+        h.ms = 50;
+        let out = h.req(
+            1,
+            Request::Renew {
+                lease_id: w.id,
+                token: w.token.clone(),
+                ttl_ms: None,
+            },
+        );
+        assert!(matches!(
+            &H::to(&out, 1)[..],
+            [Event::Renewed {
+                expires_at_unix_ms: 150,
+                ..
+            }]
+        ));
+        h.ms = 150;
+        let out = h.step(Input::Tick);
+        assert!(
+            matches!(&H::to(&out, 1)[..], [Event::LeaseEnded { reason, .. }] if reason == "expired")
+        );
+        assert!(H::g(&out, 2).is_some());
+    }
+
+    #[test]
+    fn after_a_restart_a_bound_lease_waits_to_be_resumed_and_versions_and_epochs_go_on() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        h.connect(2, "unix");
+        let w = H::g(&h.req(1, acq_shared("m", "w", false, None)), 1).unwrap();
+        h.req(1, commit(&w));
+        let st = h.persisted.clone().unwrap();
+        let mut h = H::restart_at(st.clone(), 10);
+        h.connect(3, "unix");
+        h.connect(4, "unix");
+        assert_eq!(h.lease(3, w.id).state, "reclaiming");
+        assert!(H::g(&h.req(4, acq_shared("m", "r", true, None)), 4).is_none());
+        let back = H::g(
+            &h.req(
+                3,
+                Request::Resume {
+                    lease_id: w.id,
+                    token: w.token.clone(),
+                },
+            ),
+            3,
+        )
+        .unwrap();
+        assert!(back.reclaimed);
+        assert_eq!((back.epoch, back.lease.version), (w.epoch, Some(1)));
+        let r = H::g(&h.step(Input::Disconnect { session: 3 }), 4).unwrap();
+        assert_eq!(r.lease.version, Some(1));
+        assert!(r.epoch > w.epoch);
+        // Not resumed within the window: it ends as expired.
+        let mut h = H::restart_at(st, 10);
+        h.connect(4, "unix");
+        h.req(4, acq_shared("m", "r", true, None));
+        h.ms = 10 + W;
+        let r = H::g(&h.step(Input::Tick), 4).unwrap();
+        assert_eq!(r.lease.version, Some(1));
+        assert_eq!(h.lease(4, w.id).state, "expired");
     }
 }

@@ -37,6 +37,143 @@ pub(super) fn acq(r: &str, h: &str, wait: bool) -> Request {
     Request::acquire(r, h, wait)
 }
 
+/// A version-2 grant as its holder saw it.
+#[derive(Debug, Clone)]
+pub(super) struct G {
+    pub(super) id: u64,
+    pub(super) epoch: u64,
+    pub(super) token: String,
+    pub(super) reclaimed: bool,
+    pub(super) lease: proto::LeaseFields,
+}
+
+pub(super) fn acq_ttl(r: &str, h: &str, ttl_ms: u64, wait: bool) -> Request {
+    Request::Acquire {
+        resource: r.into(),
+        holder: h.into(),
+        wait,
+        ext: proto::AcquireExt {
+            ttl_ms: Some(ttl_ms),
+            ..Default::default()
+        },
+    }
+}
+
+pub(super) fn acq_shared(r: &str, h: &str, shared: bool, min_version: Option<u64>) -> Request {
+    Request::Acquire {
+        resource: r.into(),
+        holder: h.into(),
+        wait: true,
+        ext: proto::AcquireExt {
+            mode: Some(if shared {
+                proto::Mode::Shared
+            } else {
+                proto::Mode::Exclusive
+            }),
+            min_version,
+            ..Default::default()
+        },
+    }
+}
+
+pub(super) fn acq_q(pool: &str, h: &str, q: u32, ttl_ms: Option<u64>, wait: bool) -> Request {
+    Request::Acquire {
+        resource: pool.into(),
+        holder: h.into(),
+        wait,
+        ext: proto::AcquireExt {
+            quantity: Some(q),
+            ttl_ms,
+            ..Default::default()
+        },
+    }
+}
+
+pub(super) fn offer(pool: &str, name: &str, q: u32, max_ms: Option<u64>) -> Request {
+    Request::Offer {
+        pool: pool.into(),
+        name: name.into(),
+        quantity: q,
+        attributes: Default::default(),
+        max_lease_time_ms: max_ms,
+        requirements: None,
+        admin_token: None,
+    }
+}
+
+impl H {
+    /// A core restarted from `st` at wall-clock `ms` (a lockd that was down until then).
+    pub(super) fn restart_at(st: PersistedState, ms: u64) -> H {
+        H::with_cfg(st, None, ms, |_| {})
+    }
+
+    /// A core with a modified configuration.
+    pub(super) fn with_cfg(
+        st: PersistedState,
+        admin: Option<&str>,
+        ms: u64,
+        f: impl FnOnce(&mut Config),
+    ) -> H {
+        let base = Instant::now();
+        let mut cfg = Config {
+            reconnect_window: Duration::from_millis(W),
+            admin_token: admin.map(str::to_string),
+            ..Config::default()
+        };
+        f(&mut cfg);
+        let core = Core::new(
+            cfg,
+            st,
+            Now {
+                mono: base + Duration::from_millis(ms),
+                unix_ms: ms,
+            },
+            42,
+        )
+        .expect("restore");
+        H {
+            core,
+            base,
+            ms,
+            persisted: None,
+            persists: 0,
+        }
+    }
+
+    /// The version-2 grant sent to `s` among outputs.
+    pub(super) fn g(out: &[Output], s: SessionId) -> Option<G> {
+        H::to(out, s).into_iter().find_map(|e| match e {
+            Event::Granted {
+                epoch,
+                token,
+                reclaimed,
+                lease,
+                ..
+            } => Some(G {
+                id: lease.lease_id?,
+                epoch,
+                token,
+                reclaimed,
+                lease,
+            }),
+            _ => None,
+        })
+    }
+
+    /// The `lease` report of `id`, asked on session `s`.
+    pub(super) fn lease(&mut self, s: SessionId, id: u64) -> proto::LeaseReport {
+        match H::to(&self.req(s, Request::Lease { lease_id: id }), s).pop() {
+            Some(Event::Lease(r)) => r,
+            other => panic!("no lease report: {other:?}"),
+        }
+    }
+
+    /// The full status.
+    pub(super) fn st(&self) -> proto::StatusReport {
+        self.core.status(self.now(), true)
+    }
+}
+
 impl H {
     pub(super) fn with_state(st: PersistedState, admin: Option<&str>) -> H {
         let base = Instant::now();

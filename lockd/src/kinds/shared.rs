@@ -418,9 +418,9 @@ impl SharedTable {
 
     /// Whether `resource` has a holder or a waiting request.
     pub fn in_use(&self, resource: &str) -> bool {
-        self.resources.get(resource).is_some_and(|r| {
-            !r.holders.is_empty() || !r.queue.is_empty() || !r.parked.is_empty()
-        })
+        self.resources
+            .get(resource)
+            .is_some_and(|r| !r.holders.is_empty() || !r.queue.is_empty() || !r.parked.is_empty())
     }
 
     /// The resource's version (0 if never used).

@@ -164,15 +164,9 @@ impl Model {
             }
             Op::Acquire(s, r, wait) => {
                 let r = RES[r as usize];
-                self.step(req(
-                    s,
-                    Request::acquire(r, format!("h{s}"), wait),
-                ))?;
+                self.step(req(s, Request::acquire(r, format!("h{s}"), wait)))?;
             }
-            Op::Release(s, r) => self.step(req(
-                s,
-                Request::release(RES[r as usize]),
-            ))?,
+            Op::Release(s, r) => self.step(req(s, Request::release(RES[r as usize])))?,
             Op::Revoke(s, r) => self.step(req(
                 s,
                 Request::revoke(RES[r as usize], None, Some("t".into())),
