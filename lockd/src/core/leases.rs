@@ -56,6 +56,28 @@ pub struct KindLease {
     pub reclaim_deadline: Option<Instant>,
 }
 
+impl KindLease {
+    /// A request of `kind` for `resource` by `holder`, not granted yet (no mode, no TTL,
+    /// not bound to its connection: set those fields as the kind needs).
+    pub(super) fn request(kind: LeaseKind, resource: &str, holder: &str) -> KindLease {
+        KindLease {
+            kind,
+            resource: resource.to_string(),
+            holder: holder.to_string(),
+            token: String::new(),
+            epoch: 0,
+            granted_at_unix_ms: 0,
+            mode: None,
+            ttl_ms: None,
+            bound: false,
+            granted: false,
+            revoked: None,
+            session: None,
+            reclaim_deadline: None,
+        }
+    }
+}
+
 /// How a lease ended, for tombstones, counters, notices and `lease_ended`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum EndWhy {
@@ -100,37 +122,13 @@ impl Core {
         None
     }
 
-    /// A new lease id and token for a request of session `s`, registered as waiting.
-    pub(super) fn register(
-        &mut self,
-        s: SessionId,
-        kind: LeaseKind,
-        resource: &str,
-        holder: &str,
-        mode: Option<Mode>,
-        ttl_ms: Option<u64>,
-        bound: bool,
-    ) -> (u64, String) {
+    /// A new lease id and token for request `l` of session `s`, registered as waiting.
+    pub(super) fn register(&mut self, s: SessionId, mut l: KindLease) -> (u64, String) {
         let id = self.table.new_lease_id();
         let token = self.new_token();
-        self.kl.insert(
-            id,
-            KindLease {
-                kind,
-                resource: resource.to_string(),
-                holder: holder.to_string(),
-                token: token.clone(),
-                epoch: 0,
-                granted_at_unix_ms: 0,
-                mode,
-                ttl_ms,
-                bound,
-                granted: false,
-                revoked: None,
-                session: Some(s),
-                reclaim_deadline: None,
-            },
-        );
+        l.token = token.clone();
+        l.session = Some(s);
+        self.kl.insert(id, l);
         if let Some(sess) = self.sessions.get_mut(&s) {
             sess.leases.insert(id);
         }
@@ -174,6 +172,10 @@ impl Core {
         self.counters.grants += 1;
         self.kind_counters(kind).grants += 1;
         self.dirty = true;
+        #[cfg(test)]
+        if self.planted.grant_not_persisted {
+            self.dirty = false;
+        }
         let version = (kind == LeaseKind::Shared).then(|| self.shared.version(&resource));
         let _ = mode;
         self.notice(

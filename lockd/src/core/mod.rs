@@ -20,6 +20,8 @@
 //! * `status`: the `status` report and the figures metrics read.
 
 mod exclusive;
+#[cfg(test)]
+mod kinds_model;
 mod leases;
 mod quantity;
 mod records;
@@ -192,6 +194,9 @@ pub struct Core {
     pools: BTreeMap<String, crate::kinds::quantity::QuantityManager>,
     /// Counters per version-2 kind (persisted).
     counters_by_kind: BTreeMap<LeaseKind, crate::proto::KindCounters>,
+    /// Planted bugs, for the property test's proof that it catches them.
+    #[cfg(test)]
+    planted: Planted,
     /// The restore changed the state (leases expired while lockd was down, offers from
     /// the offers file): the first step persists.
     boot_dirty: bool,
@@ -289,6 +294,8 @@ impl Core {
             pools,
             counters_by_kind: state.counters_by_kind,
             boot_dirty: false,
+            #[cfg(test)]
+            planted: Planted::default(),
             cfg,
             rng: StdRng::seed_from_u64(seed),
             sessions: BTreeMap::new(),
@@ -599,6 +606,16 @@ impl Core {
             Request::Anchor => self.anchor(s),
         }
     }
+}
+
+/// Bugs the property test of the kinds must catch (`core::kinds_model`).
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Planted {
+    /// A version-2 grant does not ask for a durable write (sent before it is durable).
+    pub grant_not_persisted: bool,
+    /// A TTL acquire is granted even when the resource has a live TTL lease.
+    pub ttl_ignores_holder: bool,
 }
 
 /// Constant-time string comparison for secrets (reclaim tokens, admin tokens, lease tokens

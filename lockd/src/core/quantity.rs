@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use super::leases::EndWhy;
+use super::leases::{EndWhy, KindLease};
 use super::{Core, Now, SessionId};
 use crate::kinds::quantity::{
     self, OfferSpec, OfferUsage, OnUnavailable, QuantityError, QuantityManager, RequestSpec,
@@ -82,12 +82,10 @@ impl Core {
         };
         let (id, token) = self.register(
             s,
-            LeaseKind::Quantity,
-            &pool,
-            &holder,
-            None,
-            ext.ttl_ms,
-            false,
+            KindLease {
+                ttl_ms: ext.ttl_ms,
+                ..KindLease::request(LeaseKind::Quantity, &pool, &holder)
+            },
         );
         let spec = RequestSpec {
             holder,

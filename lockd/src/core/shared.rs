@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use super::leases::EndWhy;
+use super::leases::{EndWhy, KindLease};
 use super::{Core, Now, SessionId};
 use crate::kinds::shared::{self, Admission, Grant};
 use crate::kinds::ttl::{EndReason, TtlRequest};
@@ -30,12 +30,12 @@ impl Core {
         let ttl_ms = ext.ttl_ms.map(|t| self.capped_ttl(t).as_millis() as u64);
         let (id, _) = self.register(
             s,
-            LeaseKind::Shared,
-            &resource,
-            &holder,
-            Some(mode),
-            ttl_ms,
-            ttl_ms.is_none(),
+            KindLease {
+                mode: Some(mode),
+                ttl_ms,
+                bound: ttl_ms.is_none(),
+                ..KindLease::request(LeaseKind::Shared, &resource, &holder)
+            },
         );
         let floor = self.epoch(&resource);
         self.shared.raise_epoch(&resource, floor);

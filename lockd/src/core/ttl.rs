@@ -6,10 +6,17 @@
 
 use std::time::Duration;
 
-use super::leases::EndWhy;
+use super::leases::{EndWhy, KindLease};
 use super::{Core, Now, SessionId};
 use crate::kinds::ttl::{EndReason, Ended, TtlError, TtlRequest};
 use crate::proto::{AcquireExt, ErrorCode, Event, LeaseKind};
+
+fn ttl_request(resource: &str, holder: &str, ttl_ms: u64) -> KindLease {
+    KindLease {
+        ttl_ms: Some(ttl_ms),
+        ..KindLease::request(LeaseKind::Ttl, resource, holder)
+    }
+}
 
 impl Core {
     /// The TTL granted for a request: what it asked for, capped by `--max-lease-time`.
@@ -31,16 +38,10 @@ impl Core {
         let ttl_ms = ttl.as_millis() as u64;
         let free = self.ttl.holder_of(&resource).is_none()
             && self.ttl_waiters.get(&resource).is_none_or(|q| q.is_empty());
+        #[cfg(test)]
+        let free = free || self.planted.ttl_ignores_holder;
         if free {
-            let (id, _) = self.register(
-                s,
-                LeaseKind::Ttl,
-                &resource,
-                &holder,
-                None,
-                Some(ttl_ms),
-                false,
-            );
+            let (id, _) = self.register(s, ttl_request(&resource, &holder, ttl_ms));
             self.ttl_grant(now, id);
         } else if !wait {
             let holder = self
@@ -50,15 +51,7 @@ impl Core {
                 .map(|l| l.holder.clone());
             self.send(s, Event::Busy { resource, holder });
         } else {
-            let (id, _) = self.register(
-                s,
-                LeaseKind::Ttl,
-                &resource,
-                &holder,
-                None,
-                Some(ttl_ms),
-                false,
-            );
+            let (id, _) = self.register(s, ttl_request(&resource, &holder, ttl_ms));
             let q = self.ttl_waiters.entry(resource.clone()).or_default();
             q.insert(id);
             let position = q.len();
@@ -79,6 +72,16 @@ impl Core {
             return;
         };
         let epoch = self.next_epoch(&l.resource);
+        #[cfg(test)]
+        if self.planted.ttl_ignores_holder {
+            // The planted bug: a second table entry would be refused by the table itself,
+            // so it is granted in the registry only (what a core without the check would do).
+            self.mark_granted(now, id, epoch);
+            if let Some(ev) = self.granted_event(id, false) {
+                self.send_to_lease(id, ev);
+            }
+            return;
+        }
         let out = self.ttl.acquire(
             TtlRequest {
                 id,

@@ -253,6 +253,12 @@ pub struct SharedTable {
 }
 
 impl SharedTable {
+    /// Plant the overlap bug (tests of the core's property test only).
+    #[cfg(test)]
+    pub(crate) fn plant_overlap_bug(&mut self) {
+        self.plant_overlap_bug = true;
+    }
+
     /// An empty table.
     pub fn new() -> SharedTable {
         SharedTable::default()
