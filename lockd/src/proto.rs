@@ -756,6 +756,12 @@ pub struct ResourceReport {
     /// Reclaiming: milliseconds left in the reconnect window.
     #[serde(default)]
     pub reclaim_remaining_ms: Option<u64>,
+    /// Version 2: the kind of the leases on it, when not `exclusive` (version 1's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<LeaseKind>,
+    /// Version 2: every holder name, when the kind allows several (shared, quantity).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub holders: Vec<String>,
 }
 
 /// Lease-end counters and grant counters since this state file was created.
@@ -1233,6 +1239,8 @@ mod tests {
                 revoked: false,
                 granted_at_unix_ms: Some(7),
                 reclaim_remaining_ms: None,
+                kind: None,
+                holders: vec![],
             };
             let json = serde_json::to_string(&report).unwrap();
             let want = format!(
