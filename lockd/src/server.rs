@@ -323,6 +323,9 @@ impl Driver {
                         handoff_us,
                         after_revoke = notice.after_revoke,
                         reason = notice.reason.as_deref(),
+                        lease_id = notice.lease_id,
+                        kind = notice.lease_kind.map(|k| k.as_str()),
+                        version = notice.version,
                         "{what}"
                     );
                 }

@@ -132,16 +132,26 @@ impl Core {
             .collect()
     }
 
-    /// Number of waiters per resource (metrics).
+    /// Number of waiters per resource and whether it is held (metrics), every kind.
     pub fn waiters(&self) -> Vec<(String, usize, bool)> {
+        let mut kinds: BTreeMap<&str, (usize, bool)> = BTreeMap::new();
+        for l in self.kl.values() {
+            let e = kinds.entry(l.resource.as_str()).or_default();
+            if l.granted {
+                e.1 = true;
+            } else {
+                e.0 += 1;
+            }
+        }
         self.table
             .resources
             .iter()
             .map(|(n, r)| {
+                let (kw, kh) = kinds.get(n.as_str()).copied().unwrap_or_default();
                 (
                     n.clone(),
-                    r.waiters.len(),
-                    !matches!(r.lease, LeaseState::Free),
+                    r.waiters.len() + kw,
+                    !matches!(r.lease, LeaseState::Free) || kh,
                 )
             })
             .collect()
