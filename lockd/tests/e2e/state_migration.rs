@@ -136,8 +136,11 @@ fn hello_announces_protocol_version_2_and_version_1_requests_work_unchanged() {
         line.starts_with(r#"{"event":"hello","server":"lockd","version":2,"session":"#),
         "{line}"
     );
-    // No extension is served yet: no `features` list.
-    assert!(!line.contains("features"), "{line}");
+    // The extensions served are listed; a version-1 client ignores the field.
+    assert!(
+        line.ends_with(",\"features\":[\"ttl\",\"shared\",\"quantity\"]}\n"),
+        "{line}"
+    );
     a.send(r#"{"op":"acquire","resource":"engine","holder":"a"}"#);
     let mut line = String::new();
     std::io::BufRead::read_line(&mut a.r, &mut line).unwrap();
