@@ -394,6 +394,7 @@ mod tests {
                     kind: Default::default(),
                     mode: Default::default(),
                     expires_at_unix_ms: None,
+                    gang: None,
                 }),
                 ..Default::default()
             },

@@ -15,7 +15,7 @@ pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Protocol-2 extensions this lockd serves, announced in `hello` (`features`). A client uses
 /// an extension only when its name is listed (see PROTOCOL.md, "Version 2").
-pub const FEATURES: &[&str] = &["ttl", "shared", "quantity"];
+pub const FEATURES: &[&str] = &["ttl", "shared", "quantity", "gang"];
 /// Default bound on one line (request or event), newline excluded.
 pub const DEFAULT_MAX_LINE: usize = 64 * 1024;
 /// Longest accepted resource or holder name, in bytes.
@@ -198,7 +198,17 @@ pub struct AcquireExt {
     /// Quantity: this request's attributes (matched by the offers' requirements).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attributes: Option<BTreeMap<String, String>>,
+    /// Feature `gang`: the resources of an all-or-nothing gang (exclusive, bound to the
+    /// connection); `resource` then names the gang in events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gang: Option<Vec<String>>,
+    /// Feature `gang`: give up waiting after this long (answered `cancelled`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
 }
+
+/// Most resources in one gang.
+pub const MAX_GANG: usize = 64;
 
 impl AcquireExt {
     /// The kind of lease this asks for.
@@ -464,7 +474,32 @@ fn validate(req: &Request) -> Result<(), DecodeError> {
                 ));
             }
             check_selector(ext.requirements.as_deref())?;
-            check_attributes(ext.attributes.as_ref())
+            check_attributes(ext.attributes.as_ref())?;
+            check_ttl(ext.timeout_ms)?;
+            if let Some(g) = &ext.gang {
+                if ext.mode.is_some() || ext.ttl_ms.is_some() || ext.quantity.is_some() {
+                    return Err(DecodeError::Invalid(
+                        "a gang is exclusive and bound to its connection: no mode, ttl_ms or \
+                         quantity"
+                            .into(),
+                    ));
+                }
+                if g.is_empty() || g.len() > MAX_GANG {
+                    return Err(DecodeError::Invalid(format!(
+                        "a gang has 1 to {MAX_GANG} resources"
+                    )));
+                }
+                let mut seen = std::collections::BTreeSet::new();
+                for r in g {
+                    check_name("gang resource", r)?;
+                    if !seen.insert(r) {
+                        return Err(DecodeError::Invalid(format!("{r:?} twice in the gang")));
+                    }
+                }
+            } else if ext.timeout_ms.is_some() {
+                return Err(DecodeError::Invalid("timeout_ms goes with gang".into()));
+            }
+            Ok(())
         }
         Request::Reclaim {
             resource, holder, ..
@@ -854,6 +889,15 @@ pub struct LeaseFields {
     pub allocations: Option<Vec<AllocationReport>>,
 }
 
+/// One resource of a granted gang.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GangMember {
+    /// The resource.
+    pub resource: String,
+    /// Its fencing epoch (each resource has its own sequence).
+    pub epoch: u64,
+}
+
 /// A part of a quantity lease: this much from that offer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AllocationReport {
@@ -1056,6 +1100,19 @@ pub enum Event {
     Anchored {
         /// Open anchors of this session, the new one included.
         anchors: u32,
+    },
+    /// Version 2 (`gang`): every resource of the gang is yours, atomically.
+    GangGranted {
+        /// The gang's name (the acquire's `resource`).
+        resource: String,
+        /// The gang's id (release it whole with `release {lease_id, token}`).
+        gang_id: u64,
+        /// The holder name.
+        holder: String,
+        /// The gang's token (also each member's reclaim token).
+        token: String,
+        /// Each member: its resource and its own epoch.
+        members: Vec<GangMember>,
     },
     /// Version 2: answer to `renew`.
     Renewed {
@@ -1322,7 +1379,7 @@ mod tests {
         assert_eq!(
             hello.encode(),
             "{\"event\":\"hello\",\"server\":\"lockd\",\"version\":2,\"session\":7,\
-             \"features\":[\"ttl\",\"shared\",\"quantity\"]}\n"
+             \"features\":[\"ttl\",\"shared\",\"quantity\",\"gang\"]}\n"
         );
         // A version-1 hello (no `features`) still decodes.
         assert!(matches!(

@@ -43,7 +43,18 @@ impl Core {
             let holder = res.lease.holder_name().map(str::to_string);
             self.send(s, Event::Busy { resource, holder });
         } else {
-            let position = res.waiters.push_back(Waiter { session: s, holder });
+            let t = self.table.next_ticket();
+            let Some(res) = self.table.resources.get_mut(&resource) else {
+                return;
+            };
+            let position = res.waiters.push(
+                t,
+                Waiter {
+                    session: s,
+                    holder,
+                    gang: None,
+                },
+            );
             if let Some(sess) = self.sessions.get_mut(&s) {
                 sess.waits.insert(resource.clone());
             }
@@ -68,9 +79,34 @@ impl Core {
         handoff_from: Option<Instant>,
     ) {
         let token = self.new_token();
-        let Some(res) = self.table.resources.get_mut(resource) else {
-            return;
-        };
+        if let Some(epoch) = self.grant_lease(now, resource, s, &holder, &token, None) {
+            self.send(
+                s,
+                Event::Granted {
+                    resource: resource.into(),
+                    holder: holder.clone(),
+                    epoch,
+                    token,
+                    reclaimed: false,
+                    lease: LeaseFields::default(),
+                },
+            );
+            self.granted_notice(now, resource, s, holder, epoch, handoff_from);
+        }
+    }
+
+    /// Make session `s` the holder of free `resource` (a new epoch and lease id), durable
+    /// with the next write; returns the epoch. The caller tells the holder.
+    pub(super) fn grant_lease(
+        &mut self,
+        now: Now,
+        resource: &str,
+        s: SessionId,
+        holder: &str,
+        token: &str,
+        gang: Option<u64>,
+    ) -> Option<u64> {
+        let res = self.table.resources.get_mut(resource)?;
         res.epoch += 1;
         let epoch = res.epoch;
         let lease_id = self.table.new_lease_id();
@@ -81,11 +117,12 @@ impl Core {
                 kind: LeaseKind::Exclusive,
                 mode: LeaseMode::Exclusive,
                 session: s,
-                holder: holder.clone(),
+                holder: holder.to_string(),
                 epoch,
-                token: token.clone(),
+                token: token.to_string(),
                 granted_at_unix_ms: now.unix_ms,
                 revoked: None,
+                gang,
             }),
         );
         if let Some(sess) = self.sessions.get_mut(&s) {
@@ -94,17 +131,19 @@ impl Core {
         }
         self.counters.grants += 1;
         self.dirty = true;
-        self.send(
-            s,
-            Event::Granted {
-                resource: resource.into(),
-                holder: holder.clone(),
-                epoch,
-                token,
-                reclaimed: false,
-                lease: LeaseFields::default(),
-            },
-        );
+        Some(epoch)
+    }
+
+    /// The `granted` notice of an exclusive lease.
+    pub(super) fn granted_notice(
+        &mut self,
+        now: Now,
+        resource: &str,
+        s: SessionId,
+        holder: String,
+        epoch: u64,
+        handoff_from: Option<Instant>,
+    ) {
         self.notice(
             Notice {
                 kind: NoticeKind::Granted,
@@ -124,7 +163,9 @@ impl Core {
         );
     }
 
-    /// Grant to the first waiter if the resource is free.
+    /// Grant to the first waiter if the resource is free. A gang first in line is granted
+    /// only with all its members; until then the resource stays free, reserved for it (later
+    /// acquires queue behind it: a stream of small acquires cannot starve a gang).
     pub(super) fn grant_next(&mut self, now: Now, resource: &str, handoff_from: Option<Instant>) {
         let Some(res) = self.table.resources.get_mut(resource) else {
             return;
@@ -132,8 +173,14 @@ impl Core {
         if !matches!(res.lease, LeaseState::Free) {
             return;
         }
-        if let Some(w) = res.waiters.pop_front() {
-            self.grant(now, resource, w.session, w.holder, handoff_from);
+        match res.waiters.front().map(|w| w.gang) {
+            None => {}
+            Some(Some(gang)) => self.try_gang(now, gang, handoff_from),
+            Some(None) => {
+                if let Some(w) = res.waiters.pop_front() {
+                    self.grant(now, resource, w.session, w.holder, handoff_from);
+                }
+            }
         }
     }
 
@@ -177,6 +224,14 @@ impl Core {
 
     /// `release`: end the held lease (and grant the next waiter) or withdraw a queued acquire.
     pub(super) fn release(&mut self, now: Now, s: SessionId, resource: String) {
+        // A gang is released whole: releasing one member releases every member.
+        let gang = match self.table.resources.get(&resource).map(|r| &r.lease) {
+            Some(LeaseState::Held(l)) if l.session == s => l.gang,
+            _ => None,
+        };
+        if let Some(g) = gang.filter(|g| self.gangs.contains_key(g)) {
+            return self.gang_end(now, g, Some(s));
+        }
         if self.holder_session(&resource) == Some(s) {
             if let Some(epoch) = self.end_lease(now, &resource) {
                 self.send(
@@ -274,6 +329,7 @@ impl Core {
                 token: lease.token.clone(),
                 granted_at_unix_ms: lease.granted_at_unix_ms,
                 revoked: revoked.clone(),
+                gang: lease.gang,
             }),
         );
         // A session that also queued for it (re-queued before reclaiming) is no waiter now.

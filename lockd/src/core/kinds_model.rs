@@ -10,6 +10,7 @@
 //! * **epochs** of new grants strictly increase per resource, across restarts;
 //! * **TTL**: at most one live TTL lease per resource;
 //! * **shared**: an exclusive holder holds alone (no reader beside a writer);
+//! * **gangs**: a granted gang holds every member (its own leases), a waiting one none;
 //! * **quantity**: for every offer, the allocations of the leases whose renewals are not
 //!   refused fit in its capacity, and a pool never allocates above what its offers had when
 //!   the leases were granted (checked as: no offer's allocation exceeds the largest quantity
@@ -19,7 +20,7 @@
 //! * nothing panics.
 //!
 //! Shown to catch planted bugs: a grant that is not persisted, a TTL acquire that ignores the
-//! holder, shared admission that lets readers in beside a writer.
+//! holder, shared admission that lets readers in beside a writer, a gang granted in part.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -37,6 +38,7 @@ enum Op {
     Shared(u64, u8, bool, Option<u8>),
     Quantity(u64, u8, bool),
     Excl(u64, u8),
+    Gang(u64, u8, bool),
     ReleaseRes(u64, u8),
     ReleaseId(u64, u8),
     Renew(u64, u8),
@@ -60,8 +62,9 @@ fn op() -> impl Strategy<Value = Op> {
         5 => (c.clone(), 0u8..2, any::<bool>(), proptest::option::of(0u8..3))
             .prop_map(|(c, r, sh, mv)| Op::Shared(c, r, sh, mv)),
         4 => (c.clone(), 1u8..5, any::<bool>()).prop_map(|(c, q, w)| Op::Quantity(c, q, w)),
-        1 => (c.clone(), 0u8..2).prop_map(|(c, r)| Op::Excl(c, r)),
-        2 => (c.clone(), 0u8..4).prop_map(|(c, r)| Op::ReleaseRes(c, r)),
+        2 => (c.clone(), 0u8..2).prop_map(|(c, r)| Op::Excl(c, r)),
+        2 => (c.clone(), 1u8..4, any::<bool>()).prop_map(|(c, m, w)| Op::Gang(c, m, w)),
+        2 => (c.clone(), 0u8..5).prop_map(|(c, r)| Op::ReleaseRes(c, r)),
         3 => (c.clone(), pick).prop_map(|(c, p)| Op::ReleaseId(c, p)),
         3 => (c.clone(), pick).prop_map(|(c, p)| Op::Renew(c, p)),
         3 => (c.clone(), pick).prop_map(|(c, p)| Op::Commit(c, p)),
@@ -79,7 +82,7 @@ fn op() -> impl Strategy<Value = Op> {
 /// Resource names by index: `ttl`, two shared-kind ones, the pool, two exclusive ones.
 const SHARED: [&str; 2] = ["s0", "s1"];
 const EXCL: [&str; 2] = ["x0", "x1"];
-const ALL: [&str; 4] = ["t", "s0", "p", "x0"];
+const ALL: [&str; 5] = ["t", "s0", "p", "x0", "x1"];
 
 struct Model {
     core: Core,
@@ -282,6 +285,26 @@ impl Model {
                 );
             }
         }
+        // No gang is held in part: a granted gang holds every member, with its own leases.
+        for (id, g) in &self.core.gangs {
+            if g.granted {
+                for m in &g.members {
+                    let ok = matches!(
+                        self.core.table.resources.get(m).map(|r| &r.lease),
+                        Some(super::table::LeaseState::Held(l)) if l.gang == Some(*id) && l.session == g.session
+                    );
+                    prop_assert!(ok, "gang {id} granted without its member {m}");
+                }
+            } else {
+                for m in &g.members {
+                    let held = matches!(
+                        self.core.table.resources.get(m).map(|r| &r.lease),
+                        Some(super::table::LeaseState::Held(l)) if l.gang == Some(*id)
+                    );
+                    prop_assert!(!held, "waiting gang {id} holds {m} in part");
+                }
+            }
+        }
         for r in SHARED {
             let v = self.core.shared.version(r);
             let told = self.versions.get(r).copied().unwrap_or(0);
@@ -348,6 +371,20 @@ impl Model {
                 c,
                 Request::acquire(EXCL[usize::from(r)], format!("h{c}"), true),
             )?,
+            Op::Gang(c, mask, w) => {
+                let members: Vec<String> = EXCL
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| mask & (1 << i) != 0)
+                    .map(|(_, r)| r.to_string())
+                    .collect();
+                let ext = AcquireExt {
+                    gang: Some(members),
+                    timeout_ms: w.then_some(600),
+                    ..AcquireExt::default()
+                };
+                self.req(c, acquire("g", c, true, ext))?;
+            }
             Op::ReleaseRes(c, r) => self.req(c, Request::release(ALL[usize::from(r)]))?,
             Op::ReleaseId(c, p) => {
                 if let Some((id, token, _)) = self.pick(p) {
@@ -531,6 +568,16 @@ fn the_model_catches_two_ttl_holders() {
 fn the_model_catches_readers_beside_a_writer() {
     let e = run_histories(300, Planted::default(), true).unwrap_err();
     assert!(e.contains("writers beside"), "{e}");
+}
+
+#[test]
+fn the_model_catches_a_gang_held_in_part() {
+    let p = Planted {
+        gang_partial: true,
+        ..Planted::default()
+    };
+    let e = run_histories(300, p, false).unwrap_err();
+    assert!(e.contains("without its member"), "{e}");
 }
 
 #[test]

@@ -20,6 +20,7 @@
 //! * `status`: the `status` report and the figures metrics read.
 
 mod exclusive;
+mod gang;
 #[cfg(test)]
 mod kinds_model;
 mod leases;
@@ -192,6 +193,10 @@ pub struct Core {
     shared_ttl: crate::kinds::ttl::TtlTable,
     /// Quantity pools by name.
     pools: BTreeMap<String, crate::kinds::quantity::QuantityManager>,
+    /// Gangs granted or waiting, by gang id.
+    gangs: BTreeMap<u64, gang::Gang>,
+    /// Deadlines of waiting gangs with a timeout: (deadline, gang id).
+    gang_deadlines: BTreeSet<(Instant, u64)>,
     /// Counters per version-2 kind (persisted).
     counters_by_kind: BTreeMap<LeaseKind, crate::proto::KindCounters>,
     /// Planted bugs, for the property test's proof that it catches them.
@@ -293,6 +298,8 @@ impl Core {
             shared_ttl,
             pools,
             counters_by_kind: state.counters_by_kind,
+            gangs: BTreeMap::new(),
+            gang_deadlines: BTreeSet::new(),
             boot_dirty: false,
             #[cfg(test)]
             planted: Planted::default(),
@@ -336,10 +343,14 @@ impl Core {
     /// The earliest deadline (reconnect windows, TTLs, lease times), if any: call
     /// `step(Tick)` then.
     pub fn next_deadline(&self) -> Option<Instant> {
-        match (self.table.next_deadline(), self.next_kind_deadline()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [
+            self.table.next_deadline(),
+            self.next_kind_deadline(),
+            self.next_gang_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Counters so far.
@@ -382,6 +393,7 @@ impl Core {
         self.dirty = std::mem::take(&mut self.boot_dirty);
         self.expire(now);
         self.expire_kinds(now);
+        self.gang_tick(now);
         match input {
             Input::Connect { session, peer } => self.connect(session, peer),
             Input::Request { session, req } => {
@@ -472,6 +484,16 @@ impl Core {
                 holder,
                 wait,
                 ext,
+            } if ext.gang.is_some() => {
+                let members = ext.gang.unwrap_or_default();
+                let timeout = ext.timeout_ms.map(Duration::from_millis);
+                self.gang_acquire(now, s, resource, holder, members, wait, timeout)
+            }
+            Request::Acquire {
+                resource,
+                holder,
+                wait,
+                ext,
             } => {
                 let kind = ext.kind();
                 if let Some(other) = self.kind_in_use(&resource).filter(|k| *k != kind) {
@@ -508,6 +530,13 @@ impl Core {
                 Some(LeaseKind::Exclusive) | None => self.release(now, s, resource),
                 Some(_) => self.release_resource_of_session(now, s, resource),
             },
+            Request::Release {
+                lease_id: Some(id),
+                token,
+                ..
+            } if self.gangs.contains_key(&id) => {
+                self.gang_release(now, s, id, &token.unwrap_or_default())
+            }
             Request::Release {
                 lease_id: Some(id),
                 token,
@@ -616,6 +645,8 @@ pub(crate) struct Planted {
     pub grant_not_persisted: bool,
     /// A TTL acquire is granted even when the resource has a live TTL lease.
     pub ttl_ignores_holder: bool,
+    /// A waiting gang is granted the members that are free, without waiting for the rest.
+    pub gang_partial: bool,
 }
 
 /// Constant-time string comparison for secrets (reclaim tokens, admin tokens, lease tokens

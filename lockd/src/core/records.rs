@@ -122,6 +122,9 @@ pub struct PersistedLease {
     /// extends nor shortens it. None for connection-bound leases.
     #[serde(default)]
     pub expires_at_unix_ms: Option<u64>,
+    /// The gang this lease was granted with (its members share the gang's token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gang: Option<u64>,
 }
 
 /// An ended lease, remembered with the reason it ended.
@@ -205,6 +208,7 @@ fn migrate_v1(old: v1::State) -> PersistedState {
                 kind: LeaseKind::Exclusive,
                 mode: LeaseMode::Exclusive,
                 expires_at_unix_ms: None,
+                gang: None,
             }
         });
         st.resources.insert(
@@ -305,6 +309,7 @@ impl Core {
                         kind: l.kind,
                         mode: l.mode,
                         expires_at_unix_ms: None,
+                        gang: l.gang,
                     }),
                     LeaseState::Reclaiming { lease, .. } => Some(lease.clone()),
                 };

@@ -23,6 +23,8 @@ pub(super) struct Session {
     pub anchors: u32,
     /// Version-2 leases and waiting requests whose events go to this session.
     pub leases: BTreeSet<u64>,
+    /// Gangs it holds or waits for.
+    pub gangs: BTreeSet<u64>,
 }
 
 impl Core {
@@ -39,6 +41,7 @@ impl Core {
                 connected: true,
                 anchors: 0,
                 leases: BTreeSet::new(),
+                gangs: BTreeSet::new(),
             },
         );
         self.send(
@@ -89,12 +92,21 @@ impl Core {
             self.watchers.remove(&s);
             let waits = std::mem::take(&mut sess.waits);
             let leases = sess.leases.clone();
+            let gangs = sess.gangs.clone();
             for r in &waits {
                 if let Some(res) = self.table.resources.get_mut(r) {
                     res.waiters.remove_session(s);
                 }
             }
             self.withdraw_waiting(now, &leases);
+            let waiting: Vec<u64> = gangs
+                .iter()
+                .copied()
+                .filter(|g| self.gangs.get(g).is_some_and(|g| !g.granted))
+                .collect();
+            for g in waiting {
+                self.gang_end(now, g, None);
+            }
             return;
         }
         self.end_session(now, s);
@@ -118,14 +130,21 @@ impl Core {
             return;
         };
         self.watchers.remove(&s);
+        for g in &sess.gangs {
+            self.gang_end(now, *g, None);
+        }
         for r in &sess.waits {
             if let Some(res) = self.table.resources.get_mut(r) {
                 res.waiters.remove_session(s);
             }
         }
         for r in &sess.holds {
-            self.end_lease(now, r);
-            self.grant_next(now, r, Some(now.mono));
+            // Only what is still this session's (a gang's end above may have handed its
+            // members on already).
+            if self.holder_session(r) == Some(s) {
+                self.end_lease(now, r);
+                self.grant_next(now, r, Some(now.mono));
+            }
         }
         self.end_session_leases(now, &sess.leases);
     }

@@ -49,6 +49,8 @@ pub(super) struct Lease {
     pub granted_at_unix_ms: u64,
     /// Revoke reason once revoked (the lease stays until its connection closes).
     pub revoked: Option<String>,
+    /// The gang this lease is a member of (granted and released together), if any.
+    pub gang: Option<u64>,
 }
 
 /// Who holds a resource.
@@ -90,14 +92,16 @@ pub(super) struct Waiter {
     pub session: SessionId,
     /// Holder name to use once granted.
     pub holder: String,
+    /// The gang this acquire belongs to (it waits with one ticket on every member).
+    pub gang: Option<u64>,
 }
 
 /// A resource's FIFO of acquires, with O(log n) removal of any session's entry (a waiter
-/// that disconnects or cancels leaves from the middle).
+/// that disconnects or cancels leaves from the middle). Tickets come from one counter for
+/// every resource ([`Table::next_ticket`]): a gang waits with the same ticket on each of its
+/// members, so the oldest waiter of all is first in every queue it is in.
 #[derive(Debug, Clone, Default)]
 pub(super) struct Waiters {
-    /// Ticket of the next waiter (tickets grow: their order is the grant order).
-    next: u64,
     /// Waiters by ticket.
     queue: BTreeMap<u64, Waiter>,
     /// Ticket of each waiting session (a session waits at most once per resource).
@@ -105,13 +109,17 @@ pub(super) struct Waiters {
 }
 
 impl Waiters {
-    /// Queue `w` last; returns its 1-based position.
-    pub fn push_back(&mut self, w: Waiter) -> usize {
-        let t = self.next;
-        self.next += 1;
+    /// Queue `w` with ticket `t` (from [`Table::next_ticket`], so larger than every ticket
+    /// queued before); returns its 1-based position.
+    pub fn push(&mut self, t: u64, w: Waiter) -> usize {
         self.by_session.insert(w.session, t);
         self.queue.insert(t, w);
         self.queue.len()
+    }
+
+    /// The first waiter.
+    pub fn front(&self) -> Option<&Waiter> {
+        self.queue.first_key_value().map(|(_, w)| w)
     }
 
     /// Take the first waiter.
@@ -176,6 +184,9 @@ pub(super) struct Table {
     pub resources: BTreeMap<String, Resource>,
     /// The id of the last lease granted (persisted, so ids are never reused).
     pub last_lease_id: u64,
+    /// Last waiter ticket handed out (one counter for every resource; not persisted:
+    /// waiters are not).
+    tickets: u64,
     /// Resource of each lease (held or reclaiming), by lease id.
     by_lease: BTreeMap<u64, String>,
     /// Resources each holder name holds (held or reclaiming).
@@ -200,6 +211,12 @@ impl Table {
     pub fn load(&mut self, name: String, epoch: u64, lease: LeaseState) {
         self.resources.insert(name.clone(), Resource::new(epoch));
         self.set_lease(&name, lease);
+    }
+
+    /// A fresh waiter ticket, larger than every one before.
+    pub fn next_ticket(&mut self) -> u64 {
+        self.tickets += 1;
+        self.tickets
     }
 
     /// A fresh lease id.
@@ -275,20 +292,21 @@ mod tests {
         Waiter {
             session: s,
             holder: format!("h{s}"),
+            gang: None,
         }
     }
 
     #[test]
     fn waiters_keep_fifo_order_and_remove_from_the_middle() {
         let mut q = Waiters::default();
-        assert_eq!(q.push_back(w(1)), 1);
-        assert_eq!(q.push_back(w(2)), 2);
-        assert_eq!(q.push_back(w(3)), 3);
+        assert_eq!(q.push(1, w(1)), 1);
+        assert_eq!(q.push(2, w(2)), 2);
+        assert_eq!(q.push(3, w(3)), 3);
         assert!(q.contains_session(2));
         assert_eq!(q.remove_session(2).unwrap().session, 2);
         assert!(q.remove_session(2).is_none());
         assert!(!q.contains_session(2));
-        assert_eq!(q.push_back(w(2)), 3);
+        assert_eq!(q.push(4, w(2)), 3);
         let order: Vec<_> = q.iter().map(|x| x.session).collect();
         assert_eq!(order, vec![1, 3, 2]);
         assert_eq!(q.pop_front().unwrap().session, 1);
@@ -310,6 +328,7 @@ mod tests {
                 token: "t".into(),
                 granted_at_unix_ms: 0,
                 revoked: None,
+                gang: None,
             })
         };
         t.entry("x");
@@ -341,6 +360,7 @@ mod tests {
                     kind: LeaseKind::Exclusive,
                     mode: LeaseMode::Exclusive,
                     expires_at_unix_ms: None,
+                    gang: None,
                 },
                 deadline: now,
             },
