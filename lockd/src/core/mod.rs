@@ -163,7 +163,8 @@ pub enum Output {
     },
 }
 
-/// The state machine.
+/// The state machine. `Clone` so that a model checker can branch it.
+#[derive(Clone)]
 pub struct Core {
     /// Configuration.
     cfg: Config,

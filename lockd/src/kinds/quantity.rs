@@ -382,7 +382,7 @@ pub struct QuantityRecords {
     pub leases: Vec<LeaseRecord>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Offer {
     spec: OfferSpec,
     removed: bool,
@@ -409,7 +409,7 @@ impl Offer {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Lease {
     token: String,
     spec: RequestSpec,
@@ -421,7 +421,7 @@ struct Lease {
     expires_unix_ms: u64,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Waiter {
     id: LeaseId,
     token: String,
@@ -429,7 +429,7 @@ struct Waiter {
 }
 
 /// The pool manager of one quantity resource.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct QuantityManager {
     cfg: Config,
     offers: BTreeMap<String, Offer>,
