@@ -15,7 +15,7 @@ pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Protocol-2 extensions this lockd serves, announced in `hello` (`features`). A client uses
 /// an extension only when its name is listed (see PROTOCOL.md, "Version 2").
-pub const FEATURES: &[&str] = &["ttl", "shared", "quantity", "gang"];
+pub const FEATURES: &[&str] = &["ttl", "shared", "quantity", "gang", "reserve"];
 /// Default bound on one line (request or event), newline excluded.
 pub const DEFAULT_MAX_LINE: usize = 64 * 1024;
 /// Longest accepted resource or holder name, in bytes.
@@ -122,6 +122,12 @@ pub enum Request {
         /// Its token.
         token: String,
     },
+    /// Version 2 (`reserve`): the holder of a reserved lease starts using it: lockd no longer
+    /// cancels it (answered `started`; `lease_ended` if it was cancelled already).
+    Start {
+        /// The reserved resource (for a gang: any member; the gang starts whole).
+        resource: String,
+    },
     /// Version 2: what lockd knows of a lease id (live, or ended and still remembered).
     Lease {
         /// The lease.
@@ -205,6 +211,11 @@ pub struct AcquireExt {
     /// Feature `gang`: give up waiting after this long (answered `cancelled`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// Feature `reserve` (exclusive leases and gangs): the grant is a *reservation* that
+    /// lockd cancels unless the holder confirms it with `start` within this many ms (QURD's
+    /// reserved → running; a client that vanishes or hangs never pins the resource).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserve_ms: Option<u64>,
 }
 
 /// Most resources in one gang.
@@ -306,7 +317,7 @@ fn default_true() -> bool {
 /// The `op` names this protocol version knows.
 pub const KNOWN_OPS: &[&str] = &[
     "acquire", "reclaim", "release", "revoke", "status", "watch", "ping", "anchor", "renew",
-    "commit", "resume", "lease", "leases", "offer", "withdraw",
+    "commit", "resume", "lease", "leases", "offer", "withdraw", "start",
 ];
 
 /// Why a line could not be turned into a [`Request`].
@@ -499,6 +510,12 @@ fn validate(req: &Request) -> Result<(), DecodeError> {
             } else if ext.timeout_ms.is_some() {
                 return Err(DecodeError::Invalid("timeout_ms goes with gang".into()));
             }
+            check_ttl(ext.reserve_ms)?;
+            if ext.reserve_ms.is_some() && ext.kind() != LeaseKind::Exclusive {
+                return Err(DecodeError::Invalid(
+                    "reserve_ms goes with exclusive connection-bound leases and gangs".into(),
+                ));
+            }
             Ok(())
         }
         Request::Reclaim {
@@ -543,6 +560,7 @@ fn validate(req: &Request) -> Result<(), DecodeError> {
             check_name("pool", pool)?;
             check_name("offer name", name)
         }
+        Request::Start { resource } => check_name("resource", resource),
         Request::Status { .. }
         | Request::Watch
         | Request::Ping
@@ -1100,6 +1118,13 @@ pub enum Event {
     Anchored {
         /// Open anchors of this session, the new one included.
         anchors: u32,
+    },
+    /// Version 2 (`reserve`): answer to `start`: the reservation is confirmed.
+    Started {
+        /// The resource (each member of a gang is answered).
+        resource: String,
+        /// Its epoch.
+        epoch: u64,
     },
     /// Version 2 (`gang`): every resource of the gang is yours, atomically.
     GangGranted {

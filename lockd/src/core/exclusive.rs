@@ -19,6 +19,7 @@ impl Core {
         resource: String,
         holder: String,
         wait: bool,
+        reserve_ms: Option<u64>,
     ) {
         let res = self.table.entry(&resource);
         if matches!(&res.lease, LeaseState::Held(l) if l.session == s) {
@@ -39,6 +40,7 @@ impl Core {
         }
         if matches!(res.lease, LeaseState::Free) && res.waiters.is_empty() {
             self.grant(now, &resource, s, holder, None);
+            self.reserve(now, &resource, reserve_ms);
         } else if !wait {
             let holder = res.lease.holder_name().map(str::to_string);
             self.send(s, Event::Busy { resource, holder });
@@ -53,6 +55,7 @@ impl Core {
                     session: s,
                     holder,
                     gang: None,
+                    reserve_ms,
                 },
             );
             if let Some(sess) = self.sessions.get_mut(&s) {
@@ -179,6 +182,7 @@ impl Core {
             Some(None) => {
                 if let Some(w) = res.waiters.pop_front() {
                     self.grant(now, resource, w.session, w.holder, handoff_from);
+                    self.reserve(now, resource, w.reserve_ms);
                 }
             }
         }
@@ -195,6 +199,7 @@ impl Core {
         let LeaseState::Held(l) = self.table.set_lease(resource, LeaseState::Free)? else {
             return None;
         };
+        self.unreserve(resource);
         if let Some(sess) = self.sessions.get_mut(&l.session) {
             sess.holds.remove(resource);
         }

@@ -41,6 +41,8 @@ pub(super) struct Gang {
     pub granted: bool,
     /// When a waiting gang gives up.
     pub deadline: Option<Instant>,
+    /// Feature `reserve`: the grant is a reservation for this many ms.
+    pub reserve_ms: Option<u64>,
 }
 
 impl Core {
@@ -55,6 +57,7 @@ impl Core {
         members: Vec<String>,
         wait: bool,
         timeout: Option<Duration>,
+        reserve_ms: Option<u64>,
     ) {
         for m in &members {
             if let Some(k) = self.kind_in_use(m).filter(|k| *k != LeaseKind::Exclusive) {
@@ -113,6 +116,7 @@ impl Core {
                 token,
                 granted: false,
                 deadline,
+                reserve_ms,
             },
         );
         if let Some(sess) = self.sessions.get_mut(&s) {
@@ -131,6 +135,7 @@ impl Core {
                     session: s,
                     holder: holder.clone(),
                     gang: Some(id),
+                    reserve_ms: None,
                 },
             ));
         }
@@ -210,6 +215,7 @@ impl Core {
                     resource: m.clone(),
                     epoch,
                 });
+                self.reserve(now, m, g.reserve_ms);
                 self.granted_notice(now, m, g.session, g.holder.clone(), epoch, handoff_from);
             }
         }

@@ -26,6 +26,7 @@ mod kinds_model;
 mod leases;
 mod quantity;
 mod records;
+mod reserve;
 mod session;
 mod shared;
 mod status;
@@ -194,6 +195,10 @@ pub struct Core {
     shared_ttl: crate::kinds::ttl::TtlTable,
     /// Quantity pools by name.
     pools: BTreeMap<String, crate::kinds::quantity::QuantityManager>,
+    /// Reserved leases waiting for `start`: resource -> (deadline, epoch).
+    reservations: BTreeMap<String, (Instant, u64)>,
+    /// Their deadlines.
+    reservation_deadlines: BTreeSet<(Instant, String)>,
     /// Gangs granted or waiting, by gang id.
     gangs: BTreeMap<u64, gang::Gang>,
     /// Deadlines of waiting gangs with a timeout: (deadline, gang id).
@@ -301,6 +306,8 @@ impl Core {
             counters_by_kind: state.counters_by_kind,
             gangs: BTreeMap::new(),
             gang_deadlines: BTreeSet::new(),
+            reservations: BTreeMap::new(),
+            reservation_deadlines: BTreeSet::new(),
             boot_dirty: false,
             #[cfg(test)]
             planted: Planted::default(),
@@ -348,6 +355,7 @@ impl Core {
             self.table.next_deadline(),
             self.next_kind_deadline(),
             self.next_gang_deadline(),
+            self.next_reservation_deadline(),
         ]
         .into_iter()
         .flatten()
@@ -395,6 +403,7 @@ impl Core {
         self.expire(now);
         self.expire_kinds(now);
         self.gang_tick(now);
+        self.reservation_tick(now);
         match input {
             Input::Connect { session, peer } => self.connect(session, peer),
             Input::Request { session, req } => {
@@ -488,7 +497,16 @@ impl Core {
             } if ext.gang.is_some() => {
                 let members = ext.gang.unwrap_or_default();
                 let timeout = ext.timeout_ms.map(Duration::from_millis);
-                self.gang_acquire(now, s, resource, holder, members, wait, timeout)
+                self.gang_acquire(
+                    now,
+                    s,
+                    resource,
+                    holder,
+                    members,
+                    wait,
+                    timeout,
+                    ext.reserve_ms,
+                )
             }
             Request::Acquire {
                 resource,
@@ -510,7 +528,9 @@ impl Core {
                     );
                 }
                 match kind {
-                    LeaseKind::Exclusive => self.acquire(now, s, resource, holder, wait),
+                    LeaseKind::Exclusive => {
+                        self.acquire(now, s, resource, holder, wait, ext.reserve_ms)
+                    }
                     LeaseKind::Ttl => self.ttl_acquire(now, s, resource, holder, wait, ext),
                     LeaseKind::Shared => self.shared_acquire(now, s, resource, holder, wait, ext),
                     LeaseKind::Quantity => {
@@ -634,6 +654,7 @@ impl Core {
             Request::Watch => self.watch(s),
             Request::Ping => self.send(s, Event::Pong {}),
             Request::Anchor => self.anchor(s),
+            Request::Start { resource } => self.start(s, resource),
         }
     }
 }

@@ -94,6 +94,8 @@ pub(super) struct Waiter {
     pub holder: String,
     /// The gang this acquire belongs to (it waits with one ticket on every member).
     pub gang: Option<u64>,
+    /// Feature `reserve`: the grant is a reservation for this many ms.
+    pub reserve_ms: Option<u64>,
 }
 
 /// A resource's FIFO of acquires, with O(log n) removal of any session's entry (a waiter
@@ -293,6 +295,7 @@ mod tests {
             session: s,
             holder: format!("h{s}"),
             gang: None,
+            reserve_ms: None,
         }
     }
 
