@@ -63,7 +63,7 @@ enum Cmd {
         #[arg(long, env = "LOCKD_CONNECT")]
         connect: Endpoint,
         /// Leave out the per-session list (prints `session_count` instead).
-        #[arg(long, env = "LOCKD_STATUS_NO_SESSIONS")]
+        #[arg(long, env = "LOCKD_STATUS_NO_SESSIONS", value_parser = clap::builder::BoolishValueParser::new())]
         no_sessions: bool,
     },
     /// Print the live version-2 leases (and waiting requests), one JSON object per line.
@@ -276,7 +276,7 @@ struct AcquireArgs {
     #[arg(long = "attr", env = "LOCKD_ATTRS", value_delimiter = ',', value_parser = parse_attr, requires = "quantity")]
     attrs: Vec<(String, String)>,
     /// Do not wait: exit 75 when the resource is taken (or the pool cannot grant it now).
-    #[arg(long, env = "LOCKD_NO_WAIT")]
+    #[arg(long, env = "LOCKD_NO_WAIT", value_parser = clap::builder::BoolishValueParser::new())]
     no_wait: bool,
     /// Give up (exit 75) if not granted within this time.
     #[arg(long, env = "LOCKD_ACQUIRE_TIMEOUT", value_parser = humantime::parse_duration)]
@@ -576,6 +576,12 @@ fn one_shot(ep: &Endpoint, req: &Request) -> std::result::Result<serde_json::Val
     }
 }
 
+/// One line on stdout; a closed stdout (`| head`) is not an error of lockd's.
+fn print_line(v: &impl std::fmt::Display) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{v}").and_then(|_| out.flush());
+}
+
 fn status(ep: &Endpoint, no_sessions: bool) -> std::result::Result<(), Fail> {
     let mut v = one_shot(
         ep,
@@ -589,7 +595,7 @@ fn status(ep: &Endpoint, no_sessions: bool) -> std::result::Result<(), Fail> {
     if let Some(o) = v.as_object_mut() {
         o.remove("event");
     }
-    println!("{v}");
+    print_line(&v);
     Ok(())
 }
 
@@ -603,7 +609,7 @@ fn revoke(
     if let Some(f) = err_of(&v) {
         return Err(f);
     }
-    println!("{v}");
+    print_line(&v);
     Ok(())
 }
 
