@@ -317,7 +317,8 @@ pub enum Acquired {
     /// Granted at once.
     Granted(Lease),
     /// Waiting in line: the grant comes later as [`LeaseEvent::Granted`] (or use
-    /// [`LeaseClient::wait_granted`]). Cancel with [`LeaseClient::cancel`].
+    /// [`LeaseClient::wait_granted`]). Cancel with [`LeaseClient::cancel`] (or by dropping
+    /// the client).
     Queued {
         /// The id the lease will have.
         lease_id: u64,
@@ -443,7 +444,29 @@ pub enum LeaseEvent {
 /// A request on its way to the connection task, with where its answer goes.
 struct Cmd {
     line: String,
-    reply: oneshot::Sender<Result<Event, LeaseError>>,
+    reply: Reply,
+}
+
+/// Where the answer of one request goes.
+enum Reply {
+    /// One event answers it.
+    One(oneshot::Sender<Result<Event, LeaseError>>),
+    /// It was sent followed by a `ping`: every answer up to the `pong` is its (for requests
+    /// answered with several events, like `release` by resource).
+    UntilPong(Vec<Event>, oneshot::Sender<Result<Vec<Event>, LeaseError>>),
+}
+
+impl Reply {
+    fn fail(self, e: LeaseError) {
+        match self {
+            Reply::One(tx) => {
+                let _ = tx.send(Err(e));
+            }
+            Reply::UntilPong(_, tx) => {
+                let _ = tx.send(Err(e));
+            }
+        }
+    }
 }
 
 /// What the connection task and the keep-alive tasks share: where requests and events go.
@@ -459,7 +482,7 @@ impl Link {
         self.cmds
             .send(Cmd {
                 line: proto::encode_request(req),
-                reply: tx,
+                reply: Reply::One(tx),
             })
             .map_err(|_| LeaseError::Closed("client stopped".into()))?;
         let ev = rx
@@ -469,6 +492,21 @@ impl Link {
             Event::Error { code, message, .. } => Err(LeaseError::Refused { code, message }),
             ev => Ok(ev),
         }
+    }
+
+    /// Send `req` and a `ping`; every answer before the `pong`.
+    async fn call_all(&self, req: &Request) -> Result<Vec<Event>, LeaseError> {
+        let (tx, rx) = oneshot::channel();
+        let mut line = proto::encode_request(req);
+        line.push_str(&proto::encode_request(&Request::Ping));
+        self.cmds
+            .send(Cmd {
+                line,
+                reply: Reply::UntilPong(Vec::new(), tx),
+            })
+            .map_err(|_| LeaseError::Closed("client stopped".into()))?;
+        rx.await
+            .map_err(|_| LeaseError::Closed("client stopped".into()))?
     }
 }
 
@@ -558,7 +596,7 @@ const FATAL: &[&str] = &[
 /// The connection task: writes requests, routes what comes back.
 struct Conn {
     w: Writer,
-    pending: VecDeque<oneshot::Sender<Result<Event, LeaseError>>>,
+    pending: VecDeque<Reply>,
     queued: BTreeSet<u64>,
     events: mpsc::UnboundedSender<LeaseEvent>,
 }
@@ -575,7 +613,7 @@ impl Conn {
                 c = cmds.recv() => match c {
                     Some(c) => {
                         if let Err(e) = self.w.write_all(c.line.as_bytes()).await {
-                            let _ = c.reply.send(Err(LeaseError::Closed(format!("write: {e}"))));
+                            c.reply.fail(LeaseError::Closed(format!("write: {e}")));
                             break format!("write: {e}");
                         }
                         self.pending.push_back(c.reply);
@@ -595,7 +633,7 @@ impl Conn {
         };
         reader.abort();
         for p in self.pending.drain(..) {
-            let _ = p.send(Err(LeaseError::Closed(why.clone())));
+            p.fail(LeaseError::Closed(why.clone()));
         }
         let _ = self.events.send(LeaseEvent::Closed { reason: why });
     }
@@ -669,10 +707,10 @@ impl Conn {
             Event::Error { code, message, .. } if FATAL.contains(&code.as_str()) => {
                 let why = format!("lockd closed the connection: {message} ({code})");
                 for p in self.pending.drain(..) {
-                    let _ = p.send(Err(LeaseError::Refused {
+                    p.fail(LeaseError::Refused {
                         code: code.clone(),
                         message: message.clone(),
-                    }));
+                    });
                 }
                 return Some(why);
             }
@@ -694,12 +732,16 @@ impl Conn {
                 {
                     self.queued.insert(*id);
                 }
-                if let Event::Cancelled { .. } = &ev {
-                    // Which request was withdrawn is known to its caller (`cancel`).
-                }
                 match self.pending.pop_front() {
-                    Some(p) => {
-                        let _ = p.send(Ok(ev));
+                    Some(Reply::One(tx)) => {
+                        let _ = tx.send(Ok(ev));
+                    }
+                    Some(Reply::UntilPong(all, tx)) if matches!(ev, Event::Pong {}) => {
+                        let _ = tx.send(Ok(all));
+                    }
+                    Some(Reply::UntilPong(mut all, tx)) => {
+                        all.push(ev);
+                        self.pending.push_front(Reply::UntilPong(all, tx));
                     }
                     None => self.emit(LeaseEvent::Other(ev)),
                 }
@@ -905,15 +947,23 @@ impl LeaseClient {
         }
     }
 
-    /// Withdraw every lease and waiting request of this connection on `resource`
-    /// (`release` by resource); the answers after the first are events on the stream.
-    pub async fn cancel(&self, resource: &str) -> Result<Ended, LeaseError> {
-        let ev = self.link.call(&Request::release(resource)).await?;
-        match ev {
-            Event::Released { epoch, .. } => Ok(Ended::Released { epoch }),
-            Event::Cancelled { .. } => Ok(Ended::Cancelled),
-            ev => Err(unexpected("released or cancelled", &ev)),
+    /// End every lease and withdraw every waiting request of this connection on `resource`
+    /// (`release` by resource: the way to cancel a queued request, whose token is not
+    /// known before its grant); one [`Ended`] each.
+    pub async fn cancel(&self, resource: &str) -> Result<Vec<Ended>, LeaseError> {
+        let evs = self.link.call_all(&Request::release(resource)).await?;
+        let mut out = Vec::new();
+        for ev in evs {
+            match ev {
+                Event::Released { epoch, .. } => out.push(Ended::Released { epoch }),
+                Event::Cancelled { .. } => out.push(Ended::Cancelled),
+                Event::Error { code, message, .. } => {
+                    return Err(LeaseError::Refused { code, message })
+                }
+                ev => return Err(unexpected("released or cancelled", &ev)),
+            }
         }
+        Ok(out)
     }
 
     /// `commit` (shared kind, exclusive holder): the resource's new version, durable.

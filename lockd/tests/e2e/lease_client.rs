@@ -68,8 +68,8 @@ async fn ttl_acquire_renew_expire_and_keep_alive() {
         c.features()
     );
 
-    let lease = granted(&c, &Acquire::ttl("job", "w1", Duration::from_millis(400))).await;
-    assert_eq!((lease.kind, lease.ttl_ms), (LeaseKind::Ttl, Some(400)));
+    let lease = granted(&c, &Acquire::ttl("job", "w1", Duration::from_millis(1500))).await;
+    assert_eq!((lease.kind, lease.ttl_ms), (LeaseKind::Ttl, Some(1500)));
     assert_eq!(lease.resource, "job");
     let first = lease.expires_at_unix_ms.expect("a deadline");
     // Taken: another client is told busy without waiting.
@@ -83,6 +83,20 @@ async fn ttl_acquire_renew_expire_and_keep_alive() {
         Ok(Acquired::Busy { holder }) => assert_eq!(holder.as_deref(), Some("w1")),
         x => panic!("expected busy, got {x:?}"),
     }
+    // A queued request is withdrawn with `cancel` (release by resource), and the answers
+    // after it still reach the right callers.
+    let qid = queued(&other, &Acquire::ttl("job", "w2", Duration::from_secs(1))).await;
+    assert_eq!(
+        within("cancel", other.cancel("job")).await.unwrap(),
+        vec![Ended::Cancelled]
+    );
+    assert_eq!(
+        within("lease", other.lease(qid)).await.unwrap().state,
+        "unknown"
+    );
+    let err = within("cancel", other.cancel("job")).await.unwrap_err();
+    assert!(err.is(ErrorCode::NotHolder), "{err:?}");
+    other.ping().await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     let renewed = within("renew", c.renew(&lease, None)).await.expect("renew");
     assert!(
@@ -112,10 +126,11 @@ async fn ttl_acquire_renew_expire_and_keep_alive() {
     );
 
     // A keep-alive keeps a short lease alive well past its TTL ...
-    let lease2 = granted(&c, &Acquire::ttl("job", "w1", Duration::from_millis(300))).await;
+    let lease2 = granted(&c, &Acquire::ttl("job", "w1", Duration::from_millis(1000))).await;
     assert!(lease2.epoch > lease.epoch);
-    let ka = c.keep_renewed(&lease2, Duration::from_millis(80));
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    let ka = c.keep_renewed(&lease2, Duration::from_millis(100));
+    // More than two TTLs.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     let rep = within("lease", c.lease(lease2.lease_id)).await.unwrap();
     assert_eq!(rep.state, "held", "{rep:?}");
     assert!(ka.expires_at_unix_ms().is_some() && ka.running());
