@@ -456,3 +456,53 @@ fn lease_answers_decode_strictly() {
         "lease answer: {lease:?}\nstatus: {status:?}"
     );
 }
+
+/// Over TCP: `offer` needs lockd's admin token (refused with `unauthorized` without it, from
+/// the client and the CLI), and a quantity lease is resumed from a second TCP client.
+#[tokio::test]
+async fn over_tcp_offer_needs_the_admin_token_and_resume_works() {
+    let _process = shared();
+    let d = tempfile::tempdir().unwrap();
+    let tcp = format!("tcp:127.0.0.1:{}", free_port());
+    let l = start_lockd(d.path(), &["--listen", &tcp, "--admin-token", "s3cret"]);
+    let ep: Endpoint = tcp.parse().unwrap();
+    let c = within("connect", LeaseClient::connect(&ep)).await.unwrap();
+    let mut offer = Offer {
+        pool: "gpus".into(),
+        name: "a".into(),
+        quantity: 2,
+        ..Offer::default()
+    };
+    let err = within("offer", c.offer(&offer)).await.unwrap_err();
+    assert!(err.is(ErrorCode::Unauthorized), "{err:?}");
+    let out = std::process::Command::new(BIN)
+        .args(["offer", "--connect", &tcp, "--pool", "gpus", "--name", "a"])
+        .args(["--quantity", "2"])
+        .env_remove("LOCKD_ADMIN_TOKEN")
+        .output_within(CMD_LIMIT)
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unauthorized"));
+    let out = std::process::Command::new(BIN)
+        .args(["offer", "--connect", &tcp, "--pool", "gpus", "--name", "b"])
+        .args(["--quantity", "1"])
+        .env("LOCKD_ADMIN_TOKEN", "s3cret")
+        .output_within(CMD_LIMIT)
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    offer.admin_token = Some("s3cret".into());
+    within("offer", c.offer(&offer)).await.unwrap();
+    let lease = granted(&c, &Acquire::quantity("gpus", "engine", 3)).await;
+    assert_eq!(lease.quantity, Some(3));
+    let saved = lease.saved();
+    drop(c);
+    let c2 = within("connect", LeaseClient::connect(&ep)).await.unwrap();
+    let back = within("resume", c2.resume(&saved)).await.unwrap();
+    assert_eq!((back.lease_id, back.epoch), (lease.lease_id, lease.epoch));
+    drop(l);
+}
