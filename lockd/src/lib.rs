@@ -5,10 +5,12 @@
 //! * [`persist`]: the durable state file (tmp + fsync + rename + fsync dir) and its lock file.
 //! * [`server`]: the tokio driver that feeds sockets, timers and persistence into the core.
 //! * [`client`]: the async client library used by the supervisor and `lockd hold`.
+//! * [`lease_client`]: the async client for the version-2 lease kinds (TTL, shared, quantity).
 
 pub mod client;
 pub mod core;
 pub mod kinds;
+pub mod lease_client;
 pub mod line;
 pub mod metrics;
 pub mod offers_file;

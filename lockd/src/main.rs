@@ -16,10 +16,11 @@ use lockd::Endpoint;
 const EXIT_CODES: &str = "\
 Exit codes:
   0    success (serve: clean stop on SIGTERM/SIGINT)
-  1    error: lockd refused the request, or serve could not start / had to stop (reason on stderr)
+  1    error: lockd refused the request (renew of an ended lease, wrong token, ...), or serve
+       could not start / had to stop (reason on stderr)
   2    bad command line
-  69   could not connect to lockd
-  75   hold: --timeout passed before the lock was granted
+  69   could not connect to lockd (or the connection broke)
+  75   hold, acquire: --timeout passed before the grant; acquire --no-wait: busy / unavailable
   126  hold: CMD could not be executed
   127  hold: CMD not found
   N    hold: CMD's own exit status (128+SIG when CMD was killed by signal SIG)";
@@ -61,6 +62,70 @@ enum Cmd {
         /// unix:PATH or tcp:HOST:PORT
         #[arg(long, env = "LOCKD_CONNECT")]
         connect: Endpoint,
+        /// Leave out the per-session list (prints `session_count` instead).
+        #[arg(long, env = "LOCKD_STATUS_NO_SESSIONS", value_parser = clap::builder::BoolishValueParser::new())]
+        no_sessions: bool,
+    },
+    /// Print the live version-2 leases (and waiting requests), one JSON object per line.
+    #[command(after_help = EXIT_CODES)]
+    Leases {
+        /// unix:PATH or tcp:HOST:PORT
+        #[arg(long, env = "LOCKD_CONNECT")]
+        connect: Endpoint,
+        /// Only this resource (or pool).
+        #[arg(long, env = "LOCKD_LEASES_RESOURCE")]
+        resource: Option<String>,
+        /// Only this holder name.
+        #[arg(long, env = "LOCKD_LEASES_HOLDER")]
+        holder: Option<String>,
+    },
+    /// Print what lockd knows of one lease id (live, ended with its reason, or unknown).
+    #[command(after_help = EXIT_CODES)]
+    Lease {
+        /// unix:PATH or tcp:HOST:PORT
+        #[arg(long, env = "LOCKD_CONNECT")]
+        connect: Endpoint,
+        /// The lease id.
+        #[arg(env = "LOCKD_LEASE_ID")]
+        id: u64,
+    },
+    /// Add or change an offer of a quantity pool.
+    #[command(after_help = EXIT_CODES)]
+    Offer(OfferArgs),
+    /// Withdraw an offer of a quantity pool (its leases run out; renewals are refused).
+    #[command(after_help = EXIT_CODES)]
+    Withdraw {
+        /// unix:PATH or tcp:HOST:PORT
+        #[arg(long, env = "LOCKD_CONNECT")]
+        connect: Endpoint,
+        /// The pool.
+        #[arg(long, env = "LOCKD_POOL")]
+        pool: String,
+        /// The offer's name.
+        #[arg(long, env = "LOCKD_OFFER_NAME")]
+        name: String,
+        /// Required over TCP: lockd's --admin-token.
+        #[arg(long, env = "LOCKD_ADMIN_TOKEN", hide_env_values = true)]
+        admin_token: Option<String>,
+    },
+    /// Acquire a lease that outlives this command (TTL, timed shared/exclusive, quantity),
+    /// print the grant as JSON and optionally save (lease id, token) to a file.
+    #[command(after_help = EXIT_CODES)]
+    Acquire(AcquireArgs),
+    /// Renew a TTL, timed shared or quantity lease; prints its new deadline.
+    #[command(after_help = EXIT_CODES)]
+    Renew {
+        #[command(flatten)]
+        lease: LeaseArgs,
+        /// Ask for a new TTL / lease time (default: the one granted).
+        #[arg(long, env = "LOCKD_TTL", value_parser = humantime::parse_duration)]
+        ttl: Option<Duration>,
+    },
+    /// Release a lease (or withdraw a waiting request) by lease id and token.
+    #[command(after_help = EXIT_CODES)]
+    Release {
+        #[command(flatten)]
+        lease: LeaseArgs,
     },
     /// Like flock(1): wait for the lock, then run CMD holding it (CMD inherits the connection).
     #[command(after_help = EXIT_CODES)]
@@ -144,6 +209,119 @@ struct ServeArgs {
 }
 
 #[derive(clap::Args)]
+struct OfferArgs {
+    /// unix:PATH or tcp:HOST:PORT
+    #[arg(long, env = "LOCKD_CONNECT")]
+    connect: Endpoint,
+    /// The pool (a resource name used with `acquire --quantity`).
+    #[arg(long, env = "LOCKD_POOL")]
+    pool: String,
+    /// The offer's name, unique in the pool.
+    #[arg(long, env = "LOCKD_OFFER_NAME")]
+    name: String,
+    /// How much it offers.
+    #[arg(long, env = "LOCKD_OFFER_QUANTITY")]
+    quantity: u32,
+    /// An attribute KEY=VALUE (repeatable; the env var takes a comma-separated list).
+    #[arg(long = "attr", env = "LOCKD_OFFER_ATTRS", value_delimiter = ',', value_parser = parse_attr)]
+    attrs: Vec<(String, String)>,
+    /// The longest lease it allows.
+    #[arg(long, env = "LOCKD_OFFER_MAX_LEASE_TIME", value_parser = humantime::parse_duration)]
+    max_lease_time: Option<Duration>,
+    /// What it requires of requests' attributes (label selector, e.g. `team in (a,b)`).
+    #[arg(long, env = "LOCKD_OFFER_REQUIREMENTS")]
+    requirements: Option<String>,
+    /// Required over TCP: lockd's --admin-token.
+    #[arg(long, env = "LOCKD_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+}
+
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("kind").required(true).multiple(true).args(["mode", "quantity", "ttl"])))]
+struct AcquireArgs {
+    /// unix:PATH or tcp:HOST:PORT
+    #[arg(long, env = "LOCKD_CONNECT")]
+    connect: Endpoint,
+    /// The resource (or, with --quantity, the pool).
+    #[arg(long, env = "LOCKD_ACQUIRE_RESOURCE")]
+    resource: String,
+    /// Holder name shown in status and leases.
+    #[arg(long, env = "LOCKD_HOLDER")]
+    holder: String,
+    /// TTL lease (alone), or the TTL of a shared/exclusive lease, or a quantity lease's
+    /// lease time.
+    #[arg(long, env = "LOCKD_TTL", value_parser = humantime::parse_duration)]
+    ttl: Option<Duration>,
+    /// Shared/exclusive lease with versions (needs --ttl here: a connection-bound one would
+    /// end when this command exits).
+    #[arg(
+        long,
+        env = "LOCKD_MODE",
+        value_enum,
+        conflicts_with = "quantity",
+        requires = "ttl"
+    )]
+    mode: Option<ModeArg>,
+    /// Shared mode: wait until the resource's version is at least V.
+    #[arg(long, env = "LOCKD_MIN_VERSION", requires = "mode")]
+    min_version: Option<u64>,
+    /// Quantity lease: this much of the pool RESOURCE.
+    #[arg(long, env = "LOCKD_QUANTITY")]
+    quantity: Option<u32>,
+    /// Quantity: label selector the offers' attributes must match (e.g. `model in (h100)`).
+    #[arg(long, env = "LOCKD_REQUIREMENTS", requires = "quantity")]
+    requirements: Option<String>,
+    /// Quantity: an attribute KEY=VALUE of this request (repeatable; the env var takes a
+    /// comma-separated list).
+    #[arg(long = "attr", env = "LOCKD_ATTRS", value_delimiter = ',', value_parser = parse_attr, requires = "quantity")]
+    attrs: Vec<(String, String)>,
+    /// Do not wait: exit 75 when the resource is taken (or the pool cannot grant it now).
+    #[arg(long, env = "LOCKD_NO_WAIT", value_parser = clap::builder::BoolishValueParser::new())]
+    no_wait: bool,
+    /// Give up (exit 75) if not granted within this time.
+    #[arg(long, env = "LOCKD_ACQUIRE_TIMEOUT", value_parser = humantime::parse_duration)]
+    timeout: Option<Duration>,
+    /// Write {"lease_id":N,"token":"…"} to FILE (mode 0600) for renew/release --saved.
+    #[arg(long, env = "LOCKD_SAVE")]
+    save: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ModeArg {
+    Shared,
+    Exclusive,
+}
+
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("which").required(true).args(["saved", "lease_id"])))]
+struct LeaseArgs {
+    /// unix:PATH or tcp:HOST:PORT
+    #[arg(long, env = "LOCKD_CONNECT")]
+    connect: Endpoint,
+    /// A file written by `acquire --save`.
+    #[arg(long, env = "LOCKD_SAVED", conflicts_with_all = ["lease_id", "token"])]
+    saved: Option<PathBuf>,
+    /// The lease id (with --token).
+    #[arg(long, env = "LOCKD_LEASE_ID", requires = "token")]
+    lease_id: Option<u64>,
+    /// The lease's token (with --lease-id).
+    #[arg(
+        long,
+        env = "LOCKD_TOKEN",
+        hide_env_values = true,
+        requires = "lease_id"
+    )]
+    token: Option<String>,
+}
+
+fn parse_attr(s: &str) -> std::result::Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() && !v.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("{s:?}: expected KEY=VALUE")),
+    }
+}
+
+#[derive(clap::Args)]
 struct HoldArgs {
     /// unix:PATH or tcp:HOST:PORT
     #[arg(long, env = "LOCKD_CONNECT")]
@@ -199,9 +377,49 @@ fn main() -> ExitCode {
             init_logs(cli.log_format, "info");
             rt.block_on(serve(a))
         }
-        Cmd::Status { connect } => {
+        Cmd::Status {
+            connect,
+            no_sessions,
+        } => {
             init_logs(cli.log_format, "warn");
-            report(status(&connect))
+            report(status(&connect, no_sessions))
+        }
+        Cmd::Leases {
+            connect,
+            resource,
+            holder,
+        } => {
+            init_logs(cli.log_format, "warn");
+            report(rt.block_on(kinds::leases(&connect, resource, holder)))
+        }
+        Cmd::Lease { connect, id } => {
+            init_logs(cli.log_format, "warn");
+            report(rt.block_on(kinds::lease(&connect, id)))
+        }
+        Cmd::Offer(a) => {
+            init_logs(cli.log_format, "warn");
+            report(rt.block_on(kinds::offer(a)))
+        }
+        Cmd::Withdraw {
+            connect,
+            pool,
+            name,
+            admin_token,
+        } => {
+            init_logs(cli.log_format, "warn");
+            report(rt.block_on(kinds::withdraw(&connect, &pool, &name, admin_token)))
+        }
+        Cmd::Acquire(a) => {
+            init_logs(cli.log_format, "warn");
+            report(rt.block_on(kinds::acquire(a)))
+        }
+        Cmd::Renew { lease, ttl } => {
+            init_logs(cli.log_format, "warn");
+            report(rt.block_on(kinds::renew(lease, ttl)))
+        }
+        Cmd::Release { lease } => {
+            init_logs(cli.log_format, "warn");
+            report(rt.block_on(kinds::release(lease)))
         }
         Cmd::Hold(a) => {
             // hold reports on stderr itself; library warnings would repeat it.
@@ -358,15 +576,26 @@ fn one_shot(ep: &Endpoint, req: &Request) -> std::result::Result<serde_json::Val
     }
 }
 
-fn status(ep: &Endpoint) -> std::result::Result<(), Fail> {
-    let mut v = one_shot(ep, &Request::Status { sessions: None })?;
+/// One line on stdout; a closed stdout (`| head`) is not an error of lockd's.
+fn print_line(v: &impl std::fmt::Display) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{v}").and_then(|_| out.flush());
+}
+
+fn status(ep: &Endpoint, no_sessions: bool) -> std::result::Result<(), Fail> {
+    let mut v = one_shot(
+        ep,
+        &Request::Status {
+            sessions: no_sessions.then_some(false),
+        },
+    )?;
     if let Some(f) = err_of(&v) {
         return Err(f);
     }
     if let Some(o) = v.as_object_mut() {
         o.remove("event");
     }
-    println!("{v}");
+    print_line(&v);
     Ok(())
 }
 
@@ -380,7 +609,7 @@ fn revoke(
     if let Some(f) = err_of(&v) {
         return Err(f);
     }
-    println!("{v}");
+    print_line(&v);
     Ok(())
 }
 
@@ -542,6 +771,249 @@ async fn hold_inner(a: HoldArgs) -> std::result::Result<u8, Fail> {
                 Some(_) => {}
                 None => events_open = false,
             },
+        }
+    }
+}
+
+/// The commands of the version-2 lease kinds, on [`lockd::lease_client`].
+mod kinds {
+    use std::io::Write;
+    use std::path::Path;
+    use std::time::Duration;
+
+    use anyhow::anyhow;
+    use lockd::lease_client::{
+        Acquire, Acquired, Ended, LeaseClient, LeaseError, Offer, SavedLease,
+    };
+    use lockd::proto::{ErrorCode, Mode};
+    use lockd::Endpoint;
+    use serde_json::json;
+
+    use super::{
+        AcquireArgs, Fail, LeaseArgs, ModeArg, OfferArgs, EXIT_ERROR, EXIT_TIMEOUT,
+        EXIT_UNAVAILABLE,
+    };
+
+    type Res = std::result::Result<(), Fail>;
+
+    /// Exit code of a client error: 69 lockd unreachable, 75 busy/unavailable (try again
+    /// later), 1 refused.
+    fn fail(e: LeaseError) -> Fail {
+        let code = match &e {
+            LeaseError::Connect { .. } | LeaseError::Closed(_) => EXIT_UNAVAILABLE,
+            e if e.is(ErrorCode::Unavailable) => EXIT_TIMEOUT,
+            _ => EXIT_ERROR,
+        };
+        Fail(code, e.into())
+    }
+
+    fn print(v: &impl serde::Serialize) -> Res {
+        let line = serde_json::to_string(v).map_err(|e| Fail(EXIT_ERROR, e.into()))?;
+        let mut out = std::io::stdout().lock();
+        // A closed stdout (`| head`) is not lockd's failure.
+        let _ = writeln!(out, "{line}").and_then(|_| out.flush());
+        Ok(())
+    }
+
+    async fn connect(ep: &Endpoint) -> Result<LeaseClient, Fail> {
+        LeaseClient::connect(ep).await.map_err(fail)
+    }
+
+    pub async fn leases(ep: &Endpoint, resource: Option<String>, holder: Option<String>) -> Res {
+        let c = connect(ep).await?;
+        let ls = c
+            .leases(resource.as_deref(), holder.as_deref())
+            .await
+            .map_err(fail)?;
+        for l in &ls {
+            print(l)?;
+        }
+        Ok(())
+    }
+
+    pub async fn lease(ep: &Endpoint, id: u64) -> Res {
+        let c = connect(ep).await?;
+        print(&c.lease(id).await.map_err(fail)?)
+    }
+
+    pub async fn offer(a: OfferArgs) -> Res {
+        let c = connect(&a.connect).await?;
+        let ch = c
+            .offer(&Offer {
+                pool: a.pool.clone(),
+                name: a.name,
+                quantity: a.quantity,
+                attributes: a.attrs.into_iter().collect(),
+                max_lease_time: a.max_lease_time,
+                requirements: a.requirements,
+                admin_token: a.admin_token,
+            })
+            .await
+            .map_err(fail)?;
+        print(&json!({"pool": a.pool, "offer": ch.offer, "renewal_refused": ch.renewal_refused}))
+    }
+
+    pub async fn withdraw(
+        ep: &Endpoint,
+        pool: &str,
+        name: &str,
+        admin_token: Option<String>,
+    ) -> Res {
+        let c = connect(ep).await?;
+        let ch = c
+            .withdraw(pool, name, admin_token.as_deref())
+            .await
+            .map_err(fail)?;
+        print(&json!({"pool": pool, "name": name, "renewal_refused": ch.renewal_refused}))
+    }
+
+    /// Write the saved lease, readable by its owner only.
+    fn save(path: &Path, s: &SavedLease) -> std::io::Result<()> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let text = serde_json::to_string(s).map_err(std::io::Error::other)?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(path)?;
+        f.write_all(text.as_bytes())?;
+        f.write_all(b"\n")?;
+        f.sync_all()
+    }
+
+    pub async fn acquire(a: AcquireArgs) -> Res {
+        let req = match (a.quantity, a.mode, a.ttl) {
+            (Some(q), _, ttl) => {
+                let mut r = Acquire::quantity(&a.resource, &a.holder, q);
+                if let Some(t) = ttl {
+                    r = r.with_ttl(t);
+                }
+                if let Some(sel) = &a.requirements {
+                    r = r.requirements(sel);
+                }
+                for (k, v) in &a.attrs {
+                    r = r.attribute(k, v);
+                }
+                r
+            }
+            (None, Some(m), Some(t)) => {
+                let mode = match m {
+                    ModeArg::Shared => Mode::Shared,
+                    ModeArg::Exclusive => Mode::Exclusive,
+                };
+                let mut r = Acquire::shared(&a.resource, &a.holder, mode).with_ttl(t);
+                if let Some(v) = a.min_version {
+                    r = r.min_version(v);
+                }
+                r
+            }
+            (None, None, Some(t)) => Acquire::ttl(&a.resource, &a.holder, t),
+            // clap requires one of them, and --ttl with --mode.
+            _ => {
+                return Err(Fail(
+                    2,
+                    anyhow!("give --ttl, --mode with --ttl, or --quantity"),
+                ))
+            }
+        };
+        let req = if a.no_wait { req.no_wait() } else { req };
+        let mut c = connect(&a.connect).await?;
+        let deadline = a.timeout.map(|t| tokio::time::Instant::now() + t);
+        let timed_out = || {
+            Fail(
+                EXIT_TIMEOUT,
+                anyhow!(
+                    "timed out after {} waiting for {}",
+                    humantime::format_duration(a.timeout.unwrap_or_default()),
+                    a.resource
+                ),
+            )
+        };
+        let within = |d: Option<tokio::time::Instant>| async move {
+            match d {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        let answer = tokio::select! {
+            r = c.acquire(&req) => r.map_err(fail)?,
+            _ = within(deadline) => return Err(timed_out()),
+        };
+        let lease = match answer {
+            Acquired::Granted(l) => l,
+            Acquired::Busy { holder } => {
+                return Err(Fail(
+                    EXIT_TIMEOUT,
+                    anyhow!(
+                        "{} is busy (held by {})",
+                        a.resource,
+                        holder.as_deref().unwrap_or("?")
+                    ),
+                ))
+            }
+            Acquired::Queued { lease_id, .. } => {
+                // Leaving (timeout) closes the connection, which withdraws the request.
+                tokio::select! {
+                    r = c.wait_granted(lease_id) => r.map_err(fail)?,
+                    _ = within(deadline) => return Err(timed_out()),
+                }
+            }
+        };
+        if let Some(path) = &a.save {
+            if let Err(e) = save(path, &lease.saved()) {
+                // Nobody could renew or release it: give it back rather than leave it.
+                let _ = tokio::time::timeout(Duration::from_secs(5), c.release(&lease)).await;
+                return Err(Fail(
+                    EXIT_ERROR,
+                    anyhow!(
+                        "cannot save the lease to {}: {e} (released it)",
+                        path.display()
+                    ),
+                ));
+            }
+        }
+        print(&lease)
+    }
+
+    fn saved_of(a: &LeaseArgs) -> Result<SavedLease, Fail> {
+        match (&a.saved, a.lease_id, &a.token) {
+            (Some(p), _, _) => {
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| Fail(EXIT_ERROR, anyhow!("reading {}: {e}", p.display())))?;
+                serde_json::from_str(&text).map_err(|e| {
+                    Fail(
+                        EXIT_ERROR,
+                        anyhow!("{} is not a saved lease: {e}", p.display()),
+                    )
+                })
+            }
+            (None, Some(lease_id), Some(token)) => Ok(SavedLease {
+                lease_id,
+                token: token.clone(),
+            }),
+            _ => Err(Fail(
+                2,
+                anyhow!("give --saved FILE or --lease-id N --token T"),
+            )),
+        }
+    }
+
+    pub async fn renew(a: LeaseArgs, ttl: Option<Duration>) -> Res {
+        let s = saved_of(&a)?;
+        let c = connect(&a.connect).await?;
+        let at = c.renew(&s, ttl).await.map_err(fail)?;
+        print(&json!({"lease_id": s.lease_id, "expires_at_unix_ms": at}))
+    }
+
+    pub async fn release(a: LeaseArgs) -> Res {
+        let s = saved_of(&a)?;
+        let c = connect(&a.connect).await?;
+        match c.release(&s).await.map_err(fail)? {
+            Ended::Released { epoch } => {
+                print(&json!({"lease_id": s.lease_id, "state": "released", "epoch": epoch}))
+            }
+            Ended::Cancelled => print(&json!({"lease_id": s.lease_id, "state": "cancelled"})),
         }
     }
 }

@@ -1,0 +1,1270 @@
+//! An async client for the version-2 lease kinds (`ttl`, `shared`, `quantity`; see
+//! PROTOCOL.md, "Version 2"), separate from the version-1 [`crate::client`] that the
+//! supervisor and `lockd hold` use.
+//!
+//! One [`LeaseClient`] is one connection. [`LeaseClient::connect`] reads `hello` and keeps
+//! its `features`; a request for a kind the server does not list is refused client-side
+//! ([`LeaseError::Unsupported`]), before anything is sent. Requests are answered in order on
+//! the connection; a background task routes each answer to its caller and every unsolicited
+//! event (a queued acquire's later `granted`, `lease_ended`, `renewal_refused`,
+//! `renewal_allowed`, `revoked`) to a [`tokio::sync::mpsc`] stream read with
+//! [`LeaseClient::next_event`]. Errors from lockd keep their code ([`LeaseError::Refused`]).
+//!
+//! A TTL or quantity lease outlives the connection: save [`Lease::saved`] (lease id and
+//! token), and a new process can [`LeaseClient::resume`] it after this one's crash.
+//! [`LeaseClient::keep_renewed`] renews a lease in the background.
+//!
+//! Routing rule: an event is unsolicited when it is `lease_ended`, `renewal_refused`,
+//! `renewal_allowed`, `revoked` or `notice`, a `granted` for a lease id this connection was
+//! told was `queued`, an `error` `unsatisfiable` that drops such a queued request, or an
+//! `error` that closes the connection; every other event answers the oldest request not yet
+//! answered.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+
+use crate::proto::{
+    self, AcquireExt, AllocationReport, ErrorCode, Event, LeaseKind, LeaseReport, Mode,
+    OfferReport, Request, StatusReport,
+};
+use crate::Endpoint;
+
+/// Longest event line accepted (a `status` or `leases` answer can be large).
+const MAX_EVENT_LINE: usize = 16 * 1024 * 1024;
+
+/// How long [`LeaseClient::connect`] waits for the connection and `hello`.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why a request of a [`LeaseClient`] failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LeaseError {
+    /// The endpoint could not be reached (or `hello` did not come in time).
+    #[error("cannot connect to {endpoint}: {reason}")]
+    Connect {
+        /// Where.
+        endpoint: String,
+        /// Why.
+        reason: String,
+    },
+    /// The server does not serve this protocol-2 feature (not listed in `hello`).
+    #[error("lockd does not serve feature {feature:?} (hello lists {served:?})")]
+    Unsupported {
+        /// The feature asked for (`ttl`, `shared`, `quantity`).
+        feature: String,
+        /// The features the server listed.
+        served: Vec<String>,
+    },
+    /// lockd answered with an `error` event.
+    #[error("lockd refused: {message} ({code})")]
+    Refused {
+        /// The error code as sent (`lease_ended`, `busy`, ...; see [`ErrorCode`]).
+        code: String,
+        /// lockd's detail.
+        message: String,
+    },
+    /// The connection closed (or broke) before the answer came.
+    #[error("connection to lockd closed: {0}")]
+    Closed(String),
+    /// lockd sent something this client did not expect.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+}
+
+impl LeaseError {
+    /// The lockd error code, when lockd refused.
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            LeaseError::Refused { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+
+    /// Whether lockd refused with `code`.
+    pub fn is(&self, code: ErrorCode) -> bool {
+        self.code() == Some(code.as_str())
+    }
+}
+
+/// What a process needs to take up a lease again: its id and token. Serialised as
+/// `{"lease_id":N,"token":"…"}` (what `lockd acquire --save FILE` writes).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedLease {
+    /// The lease id.
+    pub lease_id: u64,
+    /// Its secret token.
+    pub token: String,
+}
+
+/// Anything that names a lease with its token ([`Lease`], [`SavedLease`]).
+pub trait LeaseRef {
+    /// The lease id.
+    fn lease_id(&self) -> u64;
+    /// Its token.
+    fn token(&self) -> &str;
+}
+
+impl LeaseRef for SavedLease {
+    fn lease_id(&self) -> u64 {
+        self.lease_id
+    }
+    fn token(&self) -> &str {
+        &self.token
+    }
+}
+
+impl LeaseRef for Lease {
+    fn lease_id(&self) -> u64 {
+        self.lease_id
+    }
+    fn token(&self) -> &str {
+        &self.token
+    }
+}
+
+/// A granted version-2 lease.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lease {
+    /// Its id (unique for the life of lockd's state file).
+    pub lease_id: u64,
+    /// Its secret token (proves it in renew/release/commit/resume).
+    pub token: String,
+    /// Its resource (or pool).
+    pub resource: String,
+    /// The holder name given at acquire.
+    pub holder: String,
+    /// Fencing epoch, strictly increasing per resource.
+    pub epoch: u64,
+    /// Its kind.
+    pub kind: LeaseKind,
+    /// Shared-kind leases: the mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<Mode>,
+    /// Shared-kind leases: the resource's version at grant time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<u64>,
+    /// Timed leases: the TTL / lease time granted, in ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
+    /// Timed leases: the deadline (ms since the Unix epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at_unix_ms: Option<u64>,
+    /// Quantity leases: how much.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantity: Option<u32>,
+    /// Quantity leases: from which offers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allocations: Vec<AllocationReport>,
+    /// True when this came from `resume` (the same lease, taken up again).
+    #[serde(default)]
+    pub resumed: bool,
+}
+
+impl Lease {
+    /// The `(lease id, token)` to save for [`LeaseClient::resume`].
+    pub fn saved(&self) -> SavedLease {
+        SavedLease {
+            lease_id: self.lease_id,
+            token: self.token.clone(),
+        }
+    }
+
+    /// The lease of a version-2 `granted` event (None for any other event, or a version-1
+    /// grant without a lease id).
+    pub fn from_event(ev: &Event) -> Option<Lease> {
+        let Event::Granted {
+            resource,
+            holder,
+            epoch,
+            token,
+            reclaimed,
+            lease,
+        } = ev
+        else {
+            return None;
+        };
+        Some(Lease {
+            lease_id: lease.lease_id?,
+            token: token.clone(),
+            resource: resource.clone(),
+            holder: holder.clone(),
+            epoch: *epoch,
+            kind: lease.kind.unwrap_or_default(),
+            mode: lease.mode,
+            version: lease.version,
+            ttl_ms: lease.ttl_ms,
+            expires_at_unix_ms: lease.expires_at_unix_ms,
+            quantity: lease.quantity,
+            allocations: lease.allocations.clone().unwrap_or_default(),
+            resumed: *reclaimed,
+        })
+    }
+}
+
+/// An `acquire` of a version-2 kind, built with [`Acquire::ttl`], [`Acquire::shared`] or
+/// [`Acquire::quantity`] and refined with the other methods.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Acquire {
+    resource: String,
+    holder: String,
+    wait: bool,
+    ext: AcquireExt,
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl Acquire {
+    /// A TTL lease on `resource`: exclusive, outlives the connection, ends unless renewed
+    /// within `ttl` (feature `ttl`).
+    pub fn ttl(resource: impl Into<String>, holder: impl Into<String>, ttl: Duration) -> Acquire {
+        Acquire {
+            resource: resource.into(),
+            holder: holder.into(),
+            wait: true,
+            ext: AcquireExt {
+                ttl_ms: Some(ms(ttl)),
+                ..AcquireExt::default()
+            },
+        }
+    }
+
+    /// A shared or exclusive lease with versions on `resource` (feature `shared`), bound
+    /// to this connection unless [`Acquire::with_ttl`] is given.
+    pub fn shared(resource: impl Into<String>, holder: impl Into<String>, mode: Mode) -> Acquire {
+        Acquire {
+            resource: resource.into(),
+            holder: holder.into(),
+            wait: true,
+            ext: AcquireExt {
+                mode: Some(mode),
+                ..AcquireExt::default()
+            },
+        }
+    }
+
+    /// `quantity` of pool `pool`, from one or several of its offers (feature `quantity`).
+    pub fn quantity(pool: impl Into<String>, holder: impl Into<String>, quantity: u32) -> Acquire {
+        Acquire {
+            resource: pool.into(),
+            holder: holder.into(),
+            wait: true,
+            ext: AcquireExt {
+                quantity: Some(quantity),
+                ..AcquireExt::default()
+            },
+        }
+    }
+
+    /// Shared mode: wait until the resource's version is at least `v`.
+    pub fn min_version(mut self, v: u64) -> Acquire {
+        self.ext.min_version = Some(v);
+        self
+    }
+
+    /// The TTL (shared kind: makes the lease outlive its connection; quantity: the lease
+    /// time asked for).
+    pub fn with_ttl(mut self, ttl: Duration) -> Acquire {
+        self.ext.ttl_ms = Some(ms(ttl));
+        self
+    }
+
+    /// Quantity: a label selector the offers' attributes must match.
+    pub fn requirements(mut self, selector: impl Into<String>) -> Acquire {
+        self.ext.requirements = Some(selector.into());
+        self
+    }
+
+    /// Quantity: one attribute of this request (offers' requirements match them).
+    pub fn attribute(mut self, key: impl Into<String>, value: impl Into<String>) -> Acquire {
+        self.ext
+            .attributes
+            .get_or_insert_with(BTreeMap::new)
+            .insert(key.into(), value.into());
+        self
+    }
+
+    /// Do not wait: answer [`Acquired::Busy`] (or error `unavailable`) when it cannot be
+    /// granted now.
+    pub fn no_wait(mut self) -> Acquire {
+        self.wait = false;
+        self
+    }
+
+    /// The kind this asks for.
+    pub fn kind(&self) -> LeaseKind {
+        self.ext.kind()
+    }
+
+    fn request(&self) -> Request {
+        Request::Acquire {
+            resource: self.resource.clone(),
+            holder: self.holder.clone(),
+            wait: self.wait,
+            ext: self.ext.clone(),
+        }
+    }
+}
+
+/// The answer to [`LeaseClient::acquire`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acquired {
+    /// Granted at once.
+    Granted(Lease),
+    /// Waiting in line: the grant comes later as [`LeaseEvent::Granted`] (or use
+    /// [`LeaseClient::wait_granted`]). Cancel with [`LeaseClient::cancel`] (or by dropping
+    /// the client).
+    Queued {
+        /// The id the lease will have.
+        lease_id: u64,
+        /// 1 = next in line.
+        position: usize,
+    },
+    /// `no_wait` and the resource is taken (TTL and shared kinds; a pool answers error
+    /// `unavailable` instead).
+    Busy {
+        /// The current holder's name.
+        holder: Option<String>,
+    },
+}
+
+/// An offer of a quantity pool, for [`LeaseClient::offer`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Offer {
+    /// The pool.
+    pub pool: String,
+    /// The offer's name, unique in the pool.
+    pub name: String,
+    /// How much it offers.
+    pub quantity: u32,
+    /// Its attributes.
+    pub attributes: BTreeMap<String, String>,
+    /// The longest lease it allows.
+    pub max_lease_time: Option<Duration>,
+    /// What it requires of requests' attributes (label selector).
+    pub requirements: Option<String>,
+    /// lockd's `--admin-token` (required over TCP).
+    pub admin_token: Option<String>,
+}
+
+/// The answer to [`LeaseClient::offer`] and [`LeaseClient::withdraw`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OfferChange {
+    /// The offer as now set (None after a withdraw).
+    pub offer: Option<OfferReport>,
+    /// Leases whose renewals are now refused (the offer shrank or went away).
+    pub renewal_refused: Vec<u64>,
+}
+
+/// The answer to [`LeaseClient::release`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// A granted lease ended; its epoch.
+    Released {
+        /// The epoch of the lease that ended.
+        epoch: u64,
+    },
+    /// A waiting request was withdrawn.
+    Cancelled,
+}
+
+/// An event nobody asked for, read with [`LeaseClient::next_event`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseEvent {
+    /// A queued acquire was granted.
+    Granted(Lease),
+    /// A lease of this connection ended without its asking (`expired`,
+    /// `revoked:<by>:<why>`, ...).
+    Ended {
+        /// The lease.
+        lease_id: u64,
+        /// Its resource.
+        resource: String,
+        /// Its epoch.
+        epoch: u64,
+        /// Why.
+        reason: String,
+    },
+    /// A quantity lease will not be renewed (its offer shrank or went away).
+    RenewalRefused {
+        /// The lease.
+        lease_id: u64,
+        /// The pool.
+        resource: String,
+        /// The offer that shrank.
+        offer: String,
+    },
+    /// A quantity lease may be renewed again.
+    RenewalAllowed {
+        /// The lease.
+        lease_id: u64,
+        /// The pool.
+        resource: String,
+    },
+    /// A connection-bound shared lease was revoked: fence yourself and release.
+    Revoked {
+        /// The resource.
+        resource: String,
+        /// The lease's epoch.
+        epoch: u64,
+        /// The operator's reason.
+        reason: String,
+    },
+    /// A queued quantity request was dropped: its pool's matching offers shrank below it.
+    Dropped {
+        /// The request.
+        lease_id: u64,
+        /// lockd's message.
+        message: String,
+    },
+    /// A [`LeaseClient::keep_renewed`] renewal failed (the keep-alive stops when the
+    /// lease has ended, and keeps trying on `renewal_refused`).
+    RenewFailed {
+        /// The lease.
+        lease_id: u64,
+        /// The error code (`renewal_refused`, `lease_ended`, ...) or `closed`.
+        code: String,
+        /// Detail.
+        message: String,
+    },
+    /// The connection closed; no more events follow.
+    Closed {
+        /// Why (lockd's error, or end of file).
+        reason: String,
+    },
+    /// Any other event that answered no request.
+    Other(Event),
+}
+
+/// A request on its way to the connection task, with where its answer goes.
+struct Cmd {
+    line: String,
+    reply: Reply,
+}
+
+/// Where the answer of one request goes.
+enum Reply {
+    /// One event answers it.
+    One(oneshot::Sender<Result<Event, LeaseError>>),
+    /// It was sent followed by a `ping`: every answer up to the `pong` is its (for requests
+    /// answered with several events, like `release` by resource).
+    UntilPong(Vec<Event>, oneshot::Sender<Result<Vec<Event>, LeaseError>>),
+}
+
+impl Reply {
+    fn fail(self, e: LeaseError) {
+        match self {
+            Reply::One(tx) => {
+                let _ = tx.send(Err(e));
+            }
+            Reply::UntilPong(_, tx) => {
+                let _ = tx.send(Err(e));
+            }
+        }
+    }
+}
+
+/// What the connection task and the keep-alive tasks share: where requests and events go.
+#[derive(Clone)]
+struct Link {
+    cmds: mpsc::UnboundedSender<Cmd>,
+    events: mpsc::UnboundedSender<LeaseEvent>,
+}
+
+impl Link {
+    async fn call(&self, req: &Request) -> Result<Event, LeaseError> {
+        let (tx, rx) = oneshot::channel();
+        self.cmds
+            .send(Cmd {
+                line: proto::encode_request(req),
+                reply: Reply::One(tx),
+            })
+            .map_err(|_| LeaseError::Closed("client stopped".into()))?;
+        let ev = rx
+            .await
+            .map_err(|_| LeaseError::Closed("client stopped".into()))??;
+        match ev {
+            Event::Error { code, message, .. } => Err(LeaseError::Refused { code, message }),
+            ev => Ok(ev),
+        }
+    }
+
+    /// Send `req` and a `ping`; every answer before the `pong`.
+    async fn call_all(&self, req: &Request) -> Result<Vec<Event>, LeaseError> {
+        let (tx, rx) = oneshot::channel();
+        let mut line = proto::encode_request(req);
+        line.push_str(&proto::encode_request(&Request::Ping));
+        self.cmds
+            .send(Cmd {
+                line,
+                reply: Reply::UntilPong(Vec::new(), tx),
+            })
+            .map_err(|_| LeaseError::Closed("client stopped".into()))?;
+        rx.await
+            .map_err(|_| LeaseError::Closed("client stopped".into()))?
+    }
+}
+
+/// A connection to lockd for the version-2 lease kinds. Dropping it closes the connection:
+/// connection-bound leases end, waiting requests are withdrawn, TTL and quantity leases live
+/// on (resume them with their [`SavedLease`]).
+pub struct LeaseClient {
+    link: Link,
+    events: mpsc::UnboundedReceiver<LeaseEvent>,
+    stash: VecDeque<LeaseEvent>,
+    features: Vec<String>,
+    session: u64,
+    version: u32,
+    task: JoinHandle<()>,
+}
+
+impl Drop for LeaseClient {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+type Reader = Box<dyn AsyncRead + Send + Unpin>;
+type Writer = Box<dyn AsyncWrite + Send + Unpin>;
+
+async fn open(ep: &Endpoint) -> std::io::Result<(Reader, Writer)> {
+    match ep {
+        Endpoint::Unix(p) => {
+            let s = tokio::net::UnixStream::connect(p).await?;
+            let (r, w) = s.into_split();
+            Ok((Box::new(r), Box::new(w)))
+        }
+        Endpoint::Tcp(hp) => {
+            let s = tokio::net::TcpStream::connect(hp.as_str()).await?;
+            let _ = s.set_nodelay(true);
+            let (r, w) = s.into_split();
+            Ok((Box::new(r), Box::new(w)))
+        }
+    }
+}
+
+/// Reads lines (bounded) and forwards them; ends with an `Err` on EOF or failure.
+async fn read_lines(r: Reader, tx: mpsc::UnboundedSender<Result<Vec<u8>, String>>) {
+    let mut r = BufReader::new(r);
+    loop {
+        let mut line = Vec::new();
+        loop {
+            let buf = match r.fill_buf().await {
+                Ok(b) => b,
+                Err(e) => {
+                    let _ = tx.send(Err(format!("read: {e}")));
+                    return;
+                }
+            };
+            if buf.is_empty() {
+                let _ = tx.send(Err("end of file".into()));
+                return;
+            }
+            let (take, done) = match buf.iter().position(|b| *b == b'\n') {
+                Some(i) => (i + 1, true),
+                None => (buf.len(), false),
+            };
+            line.extend_from_slice(&buf[..take]);
+            r.consume(take);
+            if line.len() > MAX_EVENT_LINE + 1 {
+                let _ = tx.send(Err(format!("event line over {MAX_EVENT_LINE} bytes")));
+                return;
+            }
+            if done {
+                break;
+            }
+        }
+        if tx.send(Ok(line)).is_err() {
+            return;
+        }
+    }
+}
+
+/// Error codes after which lockd closes the connection.
+const FATAL: &[&str] = &[
+    "line_too_long",
+    "rate_limited",
+    "idle_timeout",
+    "shutting_down",
+];
+
+/// The connection task: writes requests, routes what comes back.
+struct Conn {
+    w: Writer,
+    pending: VecDeque<Reply>,
+    queued: BTreeSet<u64>,
+    events: mpsc::UnboundedSender<LeaseEvent>,
+}
+
+impl Conn {
+    async fn run(
+        mut self,
+        mut cmds: mpsc::UnboundedReceiver<Cmd>,
+        mut lines: mpsc::UnboundedReceiver<Result<Vec<u8>, String>>,
+        reader: JoinHandle<()>,
+    ) {
+        let why = loop {
+            tokio::select! {
+                c = cmds.recv() => match c {
+                    Some(c) => {
+                        if let Err(e) = self.w.write_all(c.line.as_bytes()).await {
+                            c.reply.fail(LeaseError::Closed(format!("write: {e}")));
+                            break format!("write: {e}");
+                        }
+                        self.pending.push_back(c.reply);
+                    }
+                    None => break "client dropped".to_string(),
+                },
+                l = lines.recv() => match l {
+                    Some(Ok(line)) => {
+                        if let Some(why) = self.on_line(&line) {
+                            break why;
+                        }
+                    }
+                    Some(Err(why)) => break why,
+                    None => break "reader stopped".to_string(),
+                },
+            }
+        };
+        reader.abort();
+        for p in self.pending.drain(..) {
+            p.fail(LeaseError::Closed(why.clone()));
+        }
+        let _ = self.events.send(LeaseEvent::Closed { reason: why });
+    }
+
+    fn emit(&self, ev: LeaseEvent) {
+        let _ = self.events.send(ev);
+    }
+
+    /// Route one line; Some(reason) when the connection is done.
+    fn on_line(&mut self, line: &[u8]) -> Option<String> {
+        let ev = match decode(line) {
+            Ok(ev) => ev,
+            Err(e) => {
+                // Not an event of this protocol (a newer lockd?): it may have been an
+                // answer, after which routing cannot be trusted.
+                return Some(format!(
+                    "undecodable line from lockd ({e}): {}",
+                    String::from_utf8_lossy(line).trim_end()
+                ));
+            }
+        };
+        match ev {
+            Event::LeaseEnded {
+                lease_id,
+                resource,
+                epoch,
+                reason,
+            } => {
+                self.queued.remove(&lease_id);
+                self.emit(LeaseEvent::Ended {
+                    lease_id,
+                    resource,
+                    epoch,
+                    reason,
+                });
+            }
+            Event::RenewalRefused {
+                lease_id,
+                resource,
+                offer,
+            } => self.emit(LeaseEvent::RenewalRefused {
+                lease_id,
+                resource,
+                offer,
+            }),
+            Event::RenewalAllowed { lease_id, resource } => {
+                self.emit(LeaseEvent::RenewalAllowed { lease_id, resource })
+            }
+            Event::Revoked {
+                resource,
+                epoch,
+                reason,
+            } => self.emit(LeaseEvent::Revoked {
+                resource,
+                epoch,
+                reason,
+            }),
+            ev @ Event::Notice(_) => self.emit(LeaseEvent::Other(ev)),
+            ev @ Event::Granted { .. }
+                if matches!(&ev, Event::Granted { lease, reclaimed: false, .. }
+                    if lease.lease_id.is_some_and(|id| self.queued.contains(&id))) =>
+            {
+                match Lease::from_event(&ev) {
+                    Some(l) => {
+                        self.queued.remove(&l.lease_id);
+                        self.emit(LeaseEvent::Granted(l));
+                    }
+                    None => self.emit(LeaseEvent::Other(ev)),
+                }
+            }
+            Event::Error { code, message, .. } if FATAL.contains(&code.as_str()) => {
+                let why = format!("lockd closed the connection: {message} ({code})");
+                for p in self.pending.drain(..) {
+                    p.fail(LeaseError::Refused {
+                        code: code.clone(),
+                        message: message.clone(),
+                    });
+                }
+                return Some(why);
+            }
+            Event::Error { code, message, .. }
+                if code == ErrorCode::Unsatisfiable.as_str()
+                    && dropped_id(&message).is_some_and(|id| self.queued.contains(&id)) =>
+            {
+                let id = dropped_id(&message).unwrap_or_default();
+                self.queued.remove(&id);
+                self.emit(LeaseEvent::Dropped {
+                    lease_id: id,
+                    message,
+                });
+            }
+            ev => {
+                if let Event::Queued {
+                    lease_id: Some(id), ..
+                } = &ev
+                {
+                    self.queued.insert(*id);
+                }
+                match self.pending.pop_front() {
+                    Some(Reply::One(tx)) => {
+                        let _ = tx.send(Ok(ev));
+                    }
+                    Some(Reply::UntilPong(all, tx)) if matches!(ev, Event::Pong {}) => {
+                        let _ = tx.send(Ok(all));
+                    }
+                    Some(Reply::UntilPong(mut all, tx)) => {
+                        all.push(ev);
+                        self.pending.push_front(Reply::UntilPong(all, tx));
+                    }
+                    None => self.emit(LeaseEvent::Other(ev)),
+                }
+            }
+        }
+        None
+    }
+}
+
+/// Decode an event line. `lease`, `leases` and `status` answers of this lockd repeat the
+/// keys `lease_id` and `kind` in each lease report (the report's own and its flattened
+/// `LeaseFields`'), which serde refuses as duplicate fields; read through a JSON value
+/// (where the last duplicate wins, both being equal) when the strict decode fails.
+fn decode(line: &[u8]) -> Result<Event, proto::DecodeError> {
+    proto::decode_event(line).or_else(|e| {
+        serde_json::from_slice::<serde_json::Value>(line)
+            .ok()
+            .and_then(|v| serde_json::from_value(v).ok())
+            .ok_or(e)
+    })
+}
+
+/// The request id of lockd's "request N dropped: ..." message (a queued quantity request
+/// whose offers shrank below it; lockd reports it as an `error` `unsatisfiable`).
+fn dropped_id(message: &str) -> Option<u64> {
+    let rest = message.strip_prefix("request ")?;
+    let (n, tail) = rest.split_once(' ')?;
+    tail.starts_with("dropped").then_some(())?;
+    n.parse().ok()
+}
+
+fn unexpected(what: &str, ev: &Event) -> LeaseError {
+    LeaseError::Protocol(format!("expected {what}, got {}", ev.encode().trim_end()))
+}
+
+impl LeaseClient {
+    /// Connect (within [`CONNECT_TIMEOUT`]), read `hello`, keep its `features`.
+    pub async fn connect(ep: &Endpoint) -> Result<LeaseClient, LeaseError> {
+        let fail = |reason: String| LeaseError::Connect {
+            endpoint: ep.to_string(),
+            reason,
+        };
+        let (r, w) = tokio::time::timeout(CONNECT_TIMEOUT, open(ep))
+            .await
+            .map_err(|_| fail("timed out".into()))?
+            .map_err(|e| fail(e.to_string()))?;
+        let (ltx, mut lrx) = mpsc::unbounded_channel();
+        let reader = tokio::spawn(read_lines(r, ltx));
+        let first = match tokio::time::timeout(CONNECT_TIMEOUT, lrx.recv()).await {
+            Ok(Some(Ok(l))) => l,
+            Ok(Some(Err(e))) => {
+                reader.abort();
+                return Err(fail(format!("no hello: {e}")));
+            }
+            Ok(None) | Err(_) => {
+                reader.abort();
+                return Err(fail("no hello in time".into()));
+            }
+        };
+        let (session, version, features) = match decode(&first) {
+            Ok(Event::Hello {
+                session,
+                version,
+                features,
+                ..
+            }) => (session, version, features),
+            _ => {
+                reader.abort();
+                return Err(LeaseError::Protocol(format!(
+                    "expected hello, got {}",
+                    String::from_utf8_lossy(&first).trim_end()
+                )));
+            }
+        };
+        let (ctx, crx) = mpsc::unbounded_channel();
+        let (etx, erx) = mpsc::unbounded_channel();
+        let conn = Conn {
+            w,
+            pending: VecDeque::new(),
+            queued: BTreeSet::new(),
+            events: etx.clone(),
+        };
+        let task = tokio::spawn(conn.run(crx, lrx, reader));
+        let c = LeaseClient {
+            link: Link {
+                cmds: ctx,
+                events: etx,
+            },
+            events: erx,
+            stash: VecDeque::new(),
+            features,
+            session,
+            version,
+            task,
+        };
+        // A first request right away: lockd closes connections silent for --idle-timeout.
+        c.ping().await?;
+        Ok(c)
+    }
+
+    /// The features `hello` listed.
+    pub fn features(&self) -> &[String] {
+        &self.features
+    }
+
+    /// This connection's lockd session id.
+    pub fn session(&self) -> u64 {
+        self.session
+    }
+
+    /// The protocol version `hello` announced.
+    pub fn protocol_version(&self) -> u32 {
+        self.version
+    }
+
+    fn require(&self, feature: &str) -> Result<(), LeaseError> {
+        if self.features.iter().any(|f| f == feature) {
+            Ok(())
+        } else {
+            Err(LeaseError::Unsupported {
+                feature: feature.into(),
+                served: self.features.clone(),
+            })
+        }
+    }
+
+    /// Any version-2 feature (for the ops every kind shares).
+    fn require_any(&self) -> Result<(), LeaseError> {
+        if ["ttl", "shared", "quantity"]
+            .iter()
+            .any(|f| self.features.iter().any(|x| x == f))
+        {
+            Ok(())
+        } else {
+            self.require("ttl")
+        }
+    }
+
+    /// `ping` → `pong`.
+    pub async fn ping(&self) -> Result<(), LeaseError> {
+        match self.link.call(&Request::Ping).await? {
+            Event::Pong {} => Ok(()),
+            ev => Err(unexpected("pong", &ev)),
+        }
+    }
+
+    /// `acquire` of a version-2 kind. Refused with [`LeaseError::Unsupported`] (nothing
+    /// sent) when `hello` did not list the kind's feature.
+    pub async fn acquire(&self, a: &Acquire) -> Result<Acquired, LeaseError> {
+        match a.kind() {
+            LeaseKind::Ttl => self.require("ttl")?,
+            LeaseKind::Shared => self.require("shared")?,
+            LeaseKind::Quantity => self.require("quantity")?,
+            LeaseKind::Exclusive => {
+                return Err(LeaseError::Protocol(
+                    "a version-1 acquire: use lockd::client".into(),
+                ))
+            }
+        }
+        let ev = self.link.call(&a.request()).await?;
+        match &ev {
+            Event::Granted { .. } => Lease::from_event(&ev)
+                .map(Acquired::Granted)
+                .ok_or_else(|| unexpected("a version-2 grant", &ev)),
+            Event::Queued {
+                lease_id: Some(id),
+                position,
+                ..
+            } => Ok(Acquired::Queued {
+                lease_id: *id,
+                position: *position,
+            }),
+            Event::Busy { holder, .. } => Ok(Acquired::Busy {
+                holder: holder.clone(),
+            }),
+            _ => Err(unexpected("granted, queued or busy", &ev)),
+        }
+    }
+
+    /// `renew`: a new deadline (ms since the Unix epoch). `ttl`: ask for a new TTL / lease
+    /// time (default: the one granted).
+    pub async fn renew(&self, l: &impl LeaseRef, ttl: Option<Duration>) -> Result<u64, LeaseError> {
+        self.require_any()?;
+        renew_on(&self.link, l.lease_id(), l.token(), ttl).await
+    }
+
+    /// `release` by lease id: ends a lease, or withdraws a waiting request (needs its
+    /// token: use [`LeaseClient::cancel`] for a request queued on this connection).
+    pub async fn release(&self, l: &impl LeaseRef) -> Result<Ended, LeaseError> {
+        self.require_any()?;
+        let ev = self
+            .link
+            .call(&Request::Release {
+                resource: None,
+                lease_id: Some(l.lease_id()),
+                token: Some(l.token().to_string()),
+            })
+            .await?;
+        match ev {
+            Event::Released { epoch, .. } => Ok(Ended::Released { epoch }),
+            Event::Cancelled { .. } => Ok(Ended::Cancelled),
+            ev => Err(unexpected("released or cancelled", &ev)),
+        }
+    }
+
+    /// End every lease and withdraw every waiting request of this connection on `resource`
+    /// (`release` by resource: the way to cancel a queued request, whose token is not
+    /// known before its grant); one [`Ended`] each.
+    pub async fn cancel(&self, resource: &str) -> Result<Vec<Ended>, LeaseError> {
+        let evs = self.link.call_all(&Request::release(resource)).await?;
+        let mut out = Vec::new();
+        for ev in evs {
+            match ev {
+                Event::Released { epoch, .. } => out.push(Ended::Released { epoch }),
+                Event::Cancelled { .. } => out.push(Ended::Cancelled),
+                Event::Error { code, message, .. } => {
+                    return Err(LeaseError::Refused { code, message })
+                }
+                ev => return Err(unexpected("released or cancelled", &ev)),
+            }
+        }
+        Ok(out)
+    }
+
+    /// `commit` (shared kind, exclusive holder): the resource's new version, durable.
+    pub async fn commit(&self, l: &impl LeaseRef) -> Result<u64, LeaseError> {
+        self.require("shared")?;
+        let ev = self
+            .link
+            .call(&Request::Commit {
+                lease_id: l.lease_id(),
+                token: l.token().to_string(),
+            })
+            .await?;
+        match ev {
+            Event::Committed { version, .. } => Ok(version),
+            ev => Err(unexpected("committed", &ev)),
+        }
+    }
+
+    /// `resume`: take up a live lease on this connection (after the process that held it
+    /// crashed); its later events come here. A lease that was revoked is resumed and then
+    /// reported ended ([`LeaseEvent::Ended`]).
+    pub async fn resume(&self, saved: &impl LeaseRef) -> Result<Lease, LeaseError> {
+        self.require_any()?;
+        let ev = self
+            .link
+            .call(&Request::Resume {
+                lease_id: saved.lease_id(),
+                token: saved.token().to_string(),
+            })
+            .await?;
+        Lease::from_event(&ev).ok_or_else(|| unexpected("granted", &ev))
+    }
+
+    /// `lease`: what lockd knows of `lease_id` (state `unknown` if nothing).
+    pub async fn lease(&self, lease_id: u64) -> Result<LeaseReport, LeaseError> {
+        self.require_any()?;
+        match self.link.call(&Request::Lease { lease_id }).await? {
+            Event::Lease(r) => Ok(r),
+            ev => Err(unexpected("lease", &ev)),
+        }
+    }
+
+    /// `leases`: live leases and waiting requests, optionally of one resource / holder.
+    pub async fn leases(
+        &self,
+        resource: Option<&str>,
+        holder: Option<&str>,
+    ) -> Result<Vec<LeaseReport>, LeaseError> {
+        self.require_any()?;
+        let req = Request::Leases {
+            resource: resource.map(str::to_string),
+            holder: holder.map(str::to_string),
+        };
+        match self.link.call(&req).await? {
+            Event::Leases { leases } => Ok(leases),
+            ev => Err(unexpected("leases", &ev)),
+        }
+    }
+
+    /// `offer`: add or change an offer of a quantity pool.
+    pub async fn offer(&self, o: &Offer) -> Result<OfferChange, LeaseError> {
+        self.require("quantity")?;
+        let req = Request::Offer {
+            pool: o.pool.clone(),
+            name: o.name.clone(),
+            quantity: o.quantity,
+            attributes: o.attributes.clone(),
+            max_lease_time_ms: o.max_lease_time.map(ms),
+            requirements: o.requirements.clone(),
+            admin_token: o.admin_token.clone(),
+        };
+        match self.link.call(&req).await? {
+            Event::Offered {
+                offer,
+                renewal_refused,
+                ..
+            } => Ok(OfferChange {
+                offer: Some(offer),
+                renewal_refused,
+            }),
+            ev => Err(unexpected("offered", &ev)),
+        }
+    }
+
+    /// `withdraw`: remove an offer (its leases run out; their renewals are refused).
+    pub async fn withdraw(
+        &self,
+        pool: &str,
+        name: &str,
+        admin_token: Option<&str>,
+    ) -> Result<OfferChange, LeaseError> {
+        self.require("quantity")?;
+        let req = Request::Withdraw {
+            pool: pool.into(),
+            name: name.into(),
+            admin_token: admin_token.map(str::to_string),
+        };
+        match self.link.call(&req).await? {
+            Event::Withdrawn {
+                renewal_refused, ..
+            } => Ok(OfferChange {
+                offer: None,
+                renewal_refused,
+            }),
+            ev => Err(unexpected("withdrawn", &ev)),
+        }
+    }
+
+    /// `status` (`sessions: false` leaves out the per-session list).
+    pub async fn status(&self, sessions: bool) -> Result<StatusReport, LeaseError> {
+        let req = Request::Status {
+            sessions: (!sessions).then_some(false),
+        };
+        match self.link.call(&req).await? {
+            Event::Status(s) => Ok(s),
+            ev => Err(unexpected("status", &ev)),
+        }
+    }
+
+    /// The next unsolicited event (None once the connection task is gone and every event
+    /// was read; a [`LeaseEvent::Closed`] comes first).
+    pub async fn next_event(&mut self) -> Option<LeaseEvent> {
+        if let Some(e) = self.stash.pop_front() {
+            return Some(e);
+        }
+        self.events.recv().await
+    }
+
+    /// Wait for the grant of queued request `lease_id`; other events meanwhile stay for
+    /// [`LeaseClient::next_event`]. Fails when the request ends without a grant (dropped,
+    /// or the connection closed). Bound it with a timeout.
+    pub async fn wait_granted(&mut self, lease_id: u64) -> Result<Lease, LeaseError> {
+        if let Some(i) = self
+            .stash
+            .iter()
+            .position(|e| matches!(e, LeaseEvent::Granted(l) if l.lease_id == lease_id))
+        {
+            if let Some(LeaseEvent::Granted(l)) = self.stash.remove(i) {
+                return Ok(l);
+            }
+        }
+        loop {
+            let ev = self
+                .events
+                .recv()
+                .await
+                .ok_or_else(|| LeaseError::Closed("client stopped".into()))?;
+            match ev {
+                LeaseEvent::Granted(l) if l.lease_id == lease_id => return Ok(l),
+                LeaseEvent::Dropped {
+                    lease_id: id,
+                    message,
+                } if id == lease_id => {
+                    return Err(LeaseError::Refused {
+                        code: ErrorCode::Unsatisfiable.as_str().into(),
+                        message,
+                    })
+                }
+                LeaseEvent::Closed { reason } => {
+                    self.stash.push_back(LeaseEvent::Closed {
+                        reason: reason.clone(),
+                    });
+                    return Err(LeaseError::Closed(reason));
+                }
+                other => self.stash.push_back(other),
+            }
+        }
+    }
+
+    /// Renew `l` every `every` in the background until the returned handle is dropped (or
+    /// [`KeepAlive::stop`]ped). A failed renewal is reported on the event stream as
+    /// [`LeaseEvent::RenewFailed`]; the keep-alive stops once the lease has ended (or is
+    /// unknown, or the connection closed) and keeps trying after `renewal_refused` (capacity
+    /// may come back: [`LeaseEvent::RenewalAllowed`]).
+    pub fn keep_renewed(&self, l: &impl LeaseRef, every: Duration) -> KeepAlive {
+        let link = self.link.clone();
+        let (id, token) = (l.lease_id(), l.token().to_string());
+        let (tx, rx) = watch::channel(None);
+        let every = every.max(Duration::from_millis(1));
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match renew_on(&link, id, &token, None).await {
+                    Ok(at) => {
+                        let _ = tx.send(Some(at));
+                    }
+                    Err(e) => {
+                        let (code, stop) = match &e {
+                            LeaseError::Refused { code, .. } => {
+                                (code.clone(), code != ErrorCode::RenewalRefused.as_str())
+                            }
+                            _ => ("closed".to_string(), true),
+                        };
+                        let _ = link.events.send(LeaseEvent::RenewFailed {
+                            lease_id: id,
+                            code,
+                            message: e.to_string(),
+                        });
+                        if stop {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+        KeepAlive { task, expires: rx }
+    }
+}
+
+async fn renew_on(
+    link: &Link,
+    lease_id: u64,
+    token: &str,
+    ttl: Option<Duration>,
+) -> Result<u64, LeaseError> {
+    let ev = link
+        .call(&Request::Renew {
+            lease_id,
+            token: token.to_string(),
+            ttl_ms: ttl.map(ms),
+        })
+        .await?;
+    match ev {
+        Event::Renewed {
+            expires_at_unix_ms, ..
+        } => Ok(expires_at_unix_ms),
+        ev => Err(unexpected("renewed", &ev)),
+    }
+}
+
+/// A background renewal started by [`LeaseClient::keep_renewed`]; dropping it stops it.
+pub struct KeepAlive {
+    task: JoinHandle<()>,
+    expires: watch::Receiver<Option<u64>>,
+}
+
+impl KeepAlive {
+    /// The deadline set by the last accepted renewal (None before the first).
+    pub fn expires_at_unix_ms(&self) -> Option<u64> {
+        *self.expires.borrow()
+    }
+
+    /// Whether it still runs (false once the lease ended or the connection closed).
+    pub fn running(&self) -> bool {
+        !self.task.is_finished()
+    }
+
+    /// Stop renewing.
+    pub fn stop(self) {}
+}
+
+impl Drop for KeepAlive {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dropped_message_parses() {
+        assert_eq!(
+            dropped_id("request 12 dropped: the matching offers of \"gpus\" shrank"),
+            Some(12)
+        );
+        assert_eq!(dropped_id("request x dropped"), None);
+        assert_eq!(dropped_id("pool \"p\" has no offers"), None);
+    }
+
+    #[test]
+    fn saved_lease_wire_form() {
+        let s = SavedLease {
+            lease_id: 7,
+            token: "ab".into(),
+        };
+        assert_eq!(
+            serde_json::to_string(&s).unwrap(),
+            r#"{"lease_id":7,"token":"ab"}"#
+        );
+    }
+
+    #[test]
+    fn acquire_builders_ask_for_their_kind() {
+        let d = Duration::from_millis(250);
+        assert_eq!(Acquire::ttl("r", "h", d).kind(), LeaseKind::Ttl);
+        assert_eq!(
+            Acquire::shared("r", "h", Mode::Shared).with_ttl(d).kind(),
+            LeaseKind::Shared
+        );
+        assert_eq!(
+            Acquire::quantity("p", "h", 2).with_ttl(d).kind(),
+            LeaseKind::Quantity
+        );
+        // Sub-millisecond TTLs are not sent as 0 (refused by lockd).
+        assert_eq!(
+            Acquire::ttl("r", "h", Duration::from_micros(10)).ext.ttl_ms,
+            Some(1)
+        );
+    }
+}
