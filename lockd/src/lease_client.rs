@@ -16,7 +16,7 @@
 //!
 //! Routing rule: an event is unsolicited when it is `lease_ended`, `renewal_refused`,
 //! `renewal_allowed`, `revoked` or `notice`, a `granted` for a lease id this connection was
-//! told was `queued`, an `error` `unsatisfiable` that drops such a queued request, or an
+//! told was `queued`, a `lease_ended` `unsatisfiable` that drops such a queued request, or an
 //! `error` that closes the connection; every other event answers the oldest request not yet
 //! answered.
 
@@ -662,13 +662,21 @@ impl Conn {
                 epoch,
                 reason,
             } => {
-                self.queued.remove(&lease_id);
-                self.emit(LeaseEvent::Ended {
-                    lease_id,
-                    resource,
-                    epoch,
-                    reason,
-                });
+                if self.queued.remove(&lease_id) {
+                    // A queued request ends before its grant only when lockd drops it (a
+                    // quantity request whose offers shrank below it: `unsatisfiable`).
+                    self.emit(LeaseEvent::Dropped {
+                        lease_id,
+                        message: format!("request on {resource:?} dropped: {reason}"),
+                    });
+                } else {
+                    self.emit(LeaseEvent::Ended {
+                        lease_id,
+                        resource,
+                        epoch,
+                        reason,
+                    });
+                }
             }
             Event::RenewalRefused {
                 lease_id,
@@ -714,17 +722,6 @@ impl Conn {
                 }
                 return Some(why);
             }
-            Event::Error { code, message, .. }
-                if code == ErrorCode::Unsatisfiable.as_str()
-                    && dropped_id(&message).is_some_and(|id| self.queued.contains(&id)) =>
-            {
-                let id = dropped_id(&message).unwrap_or_default();
-                self.queued.remove(&id);
-                self.emit(LeaseEvent::Dropped {
-                    lease_id: id,
-                    message,
-                });
-            }
             ev => {
                 if let Event::Queued {
                     lease_id: Some(id), ..
@@ -751,26 +748,9 @@ impl Conn {
     }
 }
 
-/// Decode an event line. `lease`, `leases` and `status` answers of this lockd repeat the
-/// keys `lease_id` and `kind` in each lease report (the report's own and its flattened
-/// `LeaseFields`'), which serde refuses as duplicate fields; read through a JSON value
-/// (where the last duplicate wins, both being equal) when the strict decode fails.
+/// Decode an event line.
 fn decode(line: &[u8]) -> Result<Event, proto::DecodeError> {
-    proto::decode_event(line).or_else(|e| {
-        serde_json::from_slice::<serde_json::Value>(line)
-            .ok()
-            .and_then(|v| serde_json::from_value(v).ok())
-            .ok_or(e)
-    })
-}
-
-/// The request id of lockd's "request N dropped: ..." message (a queued quantity request
-/// whose offers shrank below it; lockd reports it as an `error` `unsatisfiable`).
-fn dropped_id(message: &str) -> Option<u64> {
-    let rest = message.strip_prefix("request ")?;
-    let (n, tail) = rest.split_once(' ')?;
-    tail.starts_with("dropped").then_some(())?;
-    n.parse().ok()
+    proto::decode_event(line)
 }
 
 fn unexpected(what: &str, ev: &Event) -> LeaseError {
@@ -1226,16 +1206,6 @@ impl Drop for KeepAlive {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn dropped_message_parses() {
-        assert_eq!(
-            dropped_id("request 12 dropped: the matching offers of \"gpus\" shrank"),
-            Some(12)
-        );
-        assert_eq!(dropped_id("request x dropped"), None);
-        assert_eq!(dropped_id("pool \"p\" has no offers"), None);
-    }
 
     #[test]
     fn saved_lease_wire_form() {

@@ -1404,7 +1404,7 @@ mod tests {
         assert_eq!(
             hello.encode(),
             "{\"event\":\"hello\",\"server\":\"lockd\",\"version\":2,\"session\":7,\
-             \"features\":[\"ttl\",\"shared\",\"quantity\",\"gang\"]}\n"
+             \"features\":[\"ttl\",\"shared\",\"quantity\",\"gang\",\"reserve\"]}\n"
         );
         // A version-1 hello (no `features`) still decodes.
         assert!(matches!(

@@ -237,7 +237,17 @@ impl Core {
                 }
             }
             LeaseKind::Quantity => {
-                if let Some(v) = self.pools.get(&l.resource).and_then(|p| p.lease(id)) {
+                let pool = self.pools.get(&l.resource);
+                if let Some(v) = pool.and_then(|p| p.lease(id)) {
+                    // The lease time granted: min(every allocated offer's maximum, the
+                    // request's, --max-lease-time), the rule the pool applies.
+                    let offers = v
+                        .allocations
+                        .iter()
+                        .filter_map(|a| pool.and_then(|p| p.offer(&a.offer)))
+                        .filter_map(|u| u.spec.max_lease_time_ms);
+                    let max = self.cfg.max_lease_time.as_millis() as u64;
+                    f.ttl_ms = offers.chain(l.ttl_ms).chain([max]).min();
                     f.expires_at_unix_ms = Some(v.expires_unix_ms);
                     f.quantity = Some(v.quantity);
                     f.allocations = Some(
@@ -746,7 +756,12 @@ impl Core {
                 granted_at_unix_ms: l.granted.then_some(l.granted_at_unix_ms),
                 session: l.session,
                 renewal_refused,
-                lease: self.lease_fields(id),
+                lease: LeaseFields {
+                    // Reported once, by the report's own fields.
+                    lease_id: None,
+                    kind: None,
+                    ..self.lease_fields(id)
+                },
             };
         }
         match self.tombs.get(&id) {
@@ -762,11 +777,7 @@ impl Core {
                 granted_at_unix_ms: None,
                 session: None,
                 renewal_refused: None,
-                lease: LeaseFields {
-                    lease_id: Some(id),
-                    kind: Some(t.kind),
-                    ..LeaseFields::default()
-                },
+                lease: LeaseFields::default(),
             },
             None => LeaseReport::unknown(id),
         }

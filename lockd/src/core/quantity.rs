@@ -140,17 +140,17 @@ impl Core {
             match e {
                 quantity::Event::Granted(v) => self.quantity_granted(now, pool, v.id),
                 quantity::Event::Unsatisfiable { id, .. } => {
-                    if let Some(s) = self.kl.get(&id).and_then(|l| l.session) {
-                        self.error(
-                            s,
-                            ErrorCode::Unsatisfiable,
-                            format!(
-                                "request {id} dropped: the matching offers of {pool:?} shrank \
-                                 below its quantity"
-                            ),
-                            Some(pool),
-                        );
-                    }
+                    // A waiting request the shrunk offers can never grant: its session hears
+                    // of it by lease id, like any other end it did not ask for.
+                    self.send_to_lease(
+                        id,
+                        Event::LeaseEnded {
+                            lease_id: id,
+                            resource: pool.to_string(),
+                            epoch: 0,
+                            reason: "unsatisfiable".into(),
+                        },
+                    );
                     self.forget(now, id, EndWhy::Released, false);
                 }
                 quantity::Event::Expired { id, .. } => {

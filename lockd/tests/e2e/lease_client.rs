@@ -435,7 +435,6 @@ async fn a_kind_the_server_does_not_list_is_refused_client_side() {
 /// `harness`'s typed `status`) refuses the line: "duplicate field `lease_id`".
 /// `lease_client` reads such lines through a JSON value meanwhile.
 #[test]
-#[ignore = "core bug: LeaseReport serialises lease_id and kind twice; see the lead's report"]
 fn lease_answers_decode_strictly() {
     use std::io::BufRead;
     let _process = shared();

@@ -138,7 +138,7 @@ fn hello_announces_protocol_version_2_and_version_1_requests_work_unchanged() {
     );
     // The extensions served are listed; a version-1 client ignores the field.
     assert!(
-        line.ends_with(",\"features\":[\"ttl\",\"shared\",\"quantity\",\"gang\"]}\n"),
+        line.ends_with(",\"features\":[\"ttl\",\"shared\",\"quantity\",\"gang\",\"reserve\"]}\n"),
         "{line}"
     );
     a.send(r#"{"op":"acquire","resource":"engine","holder":"a"}"#);
