@@ -237,6 +237,17 @@ impl Core {
         if let Some(g) = gang.filter(|g| self.gangs.contains_key(g)) {
             return self.gang_end(now, g, Some(s));
         }
+        // A waiting gang of this session, by its name.
+        let waiting = self.sessions.get(&s).and_then(|x| {
+            x.gangs.iter().copied().find(|g| {
+                self.gangs
+                    .get(g)
+                    .is_some_and(|g| !g.granted && g.label == resource)
+            })
+        });
+        if let Some(g) = waiting {
+            return self.gang_end(now, g, Some(s));
+        }
         if self.holder_session(&resource) == Some(s) {
             if let Some(epoch) = self.end_lease(now, &resource) {
                 self.send(

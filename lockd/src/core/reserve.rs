@@ -124,3 +124,91 @@ impl Core {
         self.reservation_deadlines.first().map(|(d, _)| *d)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Reservations: confirmed in time, or cancelled and handed on.
+    use crate::core::testkit::*;
+
+    fn reserve(r: &str, h: &str, ms: u64) -> Request {
+        Request::Acquire {
+            resource: r.into(),
+            holder: h.into(),
+            wait: true,
+            ext: proto::AcquireExt {
+                reserve_ms: Some(ms),
+                ..Default::default()
+            },
+        }
+    }
+
+    fn start(r: &str) -> Request {
+        Request::Start { resource: r.into() }
+    }
+
+    #[test]
+    fn a_reservation_not_started_in_time_is_cancelled_and_handed_on() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        h.connect(2, "unix");
+        assert_eq!(
+            H::granted(&h.req(1, reserve("node", "job1", 500)), 1)
+                .unwrap()
+                .0,
+            1
+        );
+        h.req(2, reserve("node", "job2", 500));
+        h.ms = 499;
+        assert!(H::granted(&h.step(Input::Tick), 2).is_none());
+        h.ms = 500;
+        let out = h.step(Input::Tick);
+        assert!(
+            matches!(&H::to(&out, 1)[..], [Event::LeaseEnded { reason, .. }] if reason == "reservation_timeout")
+        );
+        assert_eq!(H::granted(&out, 2).unwrap().0, 2);
+        // The late client's start is refused: it must not run its job.
+        assert_eq!(
+            H::err_code(&h.req(1, start("node")), 1).as_deref(),
+            Some("not_holder")
+        );
+        // The new holder starts in time: nothing is cancelled any more.
+        assert_eq!(
+            H::to(&h.req(2, start("node")), 2),
+            vec![Event::Started {
+                resource: "node".into(),
+                epoch: 2
+            }]
+        );
+        h.ms = 5000;
+        assert!(h.step(Input::Tick).is_empty());
+        assert_eq!(h.core.holder_session("node"), Some(2));
+        assert_eq!(h.core.counters().expirations, 1);
+    }
+
+    #[test]
+    fn a_reserved_gang_starts_whole_or_is_cancelled_whole() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        let g = Request::Acquire {
+            resource: "g".into(),
+            holder: "job".into(),
+            wait: true,
+            ext: proto::AcquireExt {
+                gang: Some(vec!["a".into(), "b".into()]),
+                reserve_ms: Some(100),
+                ..Default::default()
+            },
+        };
+        h.req(1, g.clone());
+        let out = h.req(1, start("b"));
+        assert_eq!(H::to(&out, 1).len(), 2, "both members started: {out:?}");
+        h.ms = 1000;
+        assert!(h.step(Input::Tick).is_empty());
+        h.req(1, Request::release("a"));
+        h.req(1, g);
+        h.ms = 1100;
+        let out = h.step(Input::Tick);
+        assert_eq!(H::to(&out, 1).len(), 2, "both members cancelled: {out:?}");
+        assert!(h.core.holder_session("a").is_none() && h.core.holder_session("b").is_none());
+    }
+}
