@@ -16,6 +16,8 @@ pub mod metrics;
 pub mod offers_file;
 pub mod persist;
 pub mod proto;
+pub mod reserve;
+pub mod reserve_cmd;
 pub mod server;
 
 use std::fmt;

@@ -20,10 +20,11 @@ Exit codes:
        could not start / had to stop (reason on stderr)
   2    bad command line
   69   could not connect to lockd (or the connection broke)
-  75   hold, acquire: --timeout passed before the grant; acquire --no-wait: busy / unavailable
+  75   hold, acquire: --timeout passed before the grant; acquire --no-wait: busy / unavailable;
+       reserve: not all N could be reserved (fail: now; wait: within --timeout)
   126  hold: CMD could not be executed
   127  hold: CMD not found
-  N    hold: CMD's own exit status (128+SIG when CMD was killed by signal SIG)";
+  N    hold, reserve: CMD's own exit status (128+SIG when CMD was killed by signal SIG)";
 
 const EXIT_ERROR: u8 = 1;
 const EXIT_UNAVAILABLE: u8 = 69;
@@ -56,6 +57,10 @@ enum Cmd {
     /// Serve until SIGTERM/SIGINT.
     #[command(after_help = EXIT_CODES)]
     Serve(ServeArgs),
+    /// Reserve the resource on N of several independent lockd instances, all or nothing
+    /// (QURD), run CMD with all N, watch them while it runs; exit 75 when they could not be had.
+    #[command(after_help = EXIT_CODES)]
+    Reserve(ReserveArgs),
     /// Print holders, epochs, states, waiters and counters as one JSON object.
     #[command(after_help = EXIT_CODES)]
     Status {
@@ -321,6 +326,57 @@ fn parse_attr(s: &str) -> std::result::Result<(String, String), String> {
     }
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum SemanticsArg {
+    Fail,
+    Wait,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum OnLossArg {
+    Terminate,
+    Replace,
+}
+
+#[derive(clap::Args)]
+struct ReserveArgs {
+    /// The independent lockd instances (one resource each), comma-separated or repeated.
+    #[arg(long, env = "LOCKD_ENDPOINTS", value_delimiter = ',', required = true)]
+    endpoints: Vec<Endpoint>,
+    /// How many of them CMD needs.
+    #[arg(long, env = "LOCKD_COUNT")]
+    count: usize,
+    /// fail: all now or nothing; wait: queue in the global endpoint order until --timeout.
+    #[arg(long, env = "LOCKD_SEMANTICS", value_enum)]
+    semantics: SemanticsArg,
+    /// The resource name on each lockd.
+    #[arg(long, env = "LOCKD_RESERVE_RESOURCE", default_value = "node")]
+    resource: String,
+    /// Holder name shown by each lockd.
+    #[arg(long, env = "LOCKD_HOLDER", default_value = "reserve")]
+    holder: String,
+    /// Give up (exit 75) when not all are reserved within this time.
+    #[arg(long, env = "LOCKD_RESERVE_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    timeout: Duration,
+    /// Each lockd cancels a reservation not confirmed within this time (QURD's cancel of a
+    /// reservation left `reserved`): a client that hangs never pins a resource.
+    #[arg(long, env = "LOCKD_RESERVED_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    reserved_timeout: Duration,
+    /// One connection attempt's limit.
+    #[arg(long, env = "LOCKD_CONNECT_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
+    connect_timeout: Duration,
+    /// When a held resource is lost while CMD runs: SIGTERM to CMD, or reserve a
+    /// replacement among the other endpoints and tell CMD with SIGUSR1.
+    #[arg(long, env = "LOCKD_ON_LOSS", value_enum, default_value = "terminate")]
+    on_loss: OnLossArg,
+    /// Where CMD finds the current reservation (JSON); default a file in $TMPDIR.
+    #[arg(long, env = "LOCKD_RESERVATION_FILE")]
+    reservation_file: Option<PathBuf>,
+    /// The command to run with all of them.
+    #[arg(last = true, required = true, num_args = 1..)]
+    cmd: Vec<String>,
+}
+
 #[derive(clap::Args)]
 struct HoldArgs {
     /// unix:PATH or tcp:HOST:PORT
@@ -421,6 +477,10 @@ fn main() -> ExitCode {
             init_logs(cli.log_format, "warn");
             report(rt.block_on(kinds::release(lease)))
         }
+        Cmd::Reserve(a) => {
+            init_logs(cli.log_format, "error");
+            reserve(a)
+        }
         Cmd::Hold(a) => {
             // hold reports on stderr itself; library warnings would repeat it.
             init_logs(cli.log_format, "error");
@@ -438,6 +498,51 @@ fn main() -> ExitCode {
         Cmd::Watch { connect } => {
             init_logs(cli.log_format, "warn");
             report(watch(&connect))
+        }
+    }
+}
+
+/// `lockd reserve`: all-or-nothing reservation across independent lockd instances.
+fn reserve(a: ReserveArgs) -> ExitCode {
+    use lockd::reserve::{ReserveError, ReserveOptions, Semantics};
+    use lockd::reserve_cmd::{run, OnLoss, RunError};
+    let file = a.reservation_file.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("lockd-reserve-{}.json", std::process::id()))
+    });
+    let o = ReserveOptions {
+        endpoints: a.endpoints,
+        count: a.count,
+        semantics: match a.semantics {
+            SemanticsArg::Fail => Semantics::Fail,
+            SemanticsArg::Wait => Semantics::Wait,
+        },
+        resource: a.resource,
+        holder: a.holder,
+        timeout: a.timeout,
+        reserve_timeout: a.reserved_timeout,
+        connect_timeout: a.connect_timeout,
+    };
+    let on_loss = match a.on_loss {
+        OnLossArg::Terminate => OnLoss::Terminate,
+        OnLossArg::Replace => OnLoss::Replace,
+    };
+    let r = run(o, on_loss, &a.cmd, &file);
+    if a.reservation_file.is_none() {
+        let _ = std::fs::remove_file(&file);
+    }
+    match r {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("lockd reserve: {e}");
+            ExitCode::from(match e {
+                RunError::Reserve(ReserveError::BadCount { .. }) => 2,
+                RunError::Reserve(_) => EXIT_TIMEOUT,
+                RunError::Spawn { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                    127
+                }
+                RunError::Spawn { .. } => 126,
+                RunError::Local(_) => EXIT_ERROR,
+            })
         }
     }
 }

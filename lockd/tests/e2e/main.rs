@@ -31,6 +31,7 @@ mod json_logs;
 mod lease_client;
 mod metrics_and_shutdown;
 mod proto_proptest;
+mod reserve_qurd;
 mod restart_both_crash;
 mod restart_holder_dead;
 mod restart_holder_healthy;
