@@ -182,7 +182,7 @@ fn a_client_killed_or_hung_with_part_of_a_set_frees_it() {
             .count()
     };
     // Killed: its connections close, both are free at once.
-    let mut c = reserve(
+    let c = reserve(
         &eps,
         3,
         "wait",
