@@ -462,8 +462,10 @@ pub struct Raw {
     r: BufReader<UnixStream>,
     /// Bytes of a line not yet complete when a read timed out.
     partial: Vec<u8>,
-    /// The `hello` line, as sent.
+    /// The `hello` event.
     pub hello: Value,
+    /// The `hello` line, as sent (newline removed).
+    pub hello_line: String,
     /// This connection's session id (from `hello`).
     pub session: u64,
 }
@@ -478,9 +480,12 @@ impl Raw {
             r,
             partial: Vec::new(),
             hello: Value::Null,
+            hello_line: String::new(),
             session: 0,
         };
-        let hello = c.next(REPLY).expect("hello");
+        let line = c.next_line(REPLY).expect("hello");
+        let hello: Value = serde_json::from_str(&line).expect("hello is JSON");
+        c.hello_line = line;
         assert_eq!(hello["event"], "hello", "first line: {hello}");
         c.session = hello["session"].as_u64().expect("hello session");
         c.hello = hello;
