@@ -107,11 +107,7 @@ impl Driver {
                 lease,
                 ..
             } => {
-                let durable = self
-                    .durable
-                    .resources
-                    .get(&resource)
-                    .map_or(0, |r| r.epoch);
+                let durable = self.durable.resources.get(&resource).map_or(0, |r| r.epoch);
                 // Version-1 leases live in `resources`; the other kinds' epochs are checked
                 // through the same table when they have an entry there.
                 if lease.lease_id.is_none() {
@@ -160,9 +156,8 @@ impl Driver {
                     offers: Vec::new(),
                     ..cfg()
                 };
-                Core::new(no_file, back, now, seed).unwrap_or_else(|e| {
-                    panic!("a durable snapshot does not restore: {e}: {json}")
-                })
+                Core::new(no_file, back, now, seed)
+                    .unwrap_or_else(|e| panic!("a durable snapshot does not restore: {e}: {json}"))
             }
             Err(e) => panic!("a durable snapshot does not restore: {e}: {json}"),
         };
@@ -267,8 +262,14 @@ fn structured(d: &Driver, b: &[u8]) -> Request {
             token,
             ttl_ms: ttl(at(b, 6) & 0x1f),
         },
-        5 => Request::Commit { lease_id: id, token },
-        6 => Request::Resume { lease_id: id, token },
+        5 => Request::Commit {
+            lease_id: id,
+            token,
+        },
+        6 => Request::Resume {
+            lease_id: id,
+            token,
+        },
         7 => Request::Lease { lease_id: id },
         8 => Request::Leases {
             resource: (at(b, 5) & 1 == 1).then_some(res),

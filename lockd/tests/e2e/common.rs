@@ -514,7 +514,9 @@ impl Raw {
             match self.r.read_until(b'\n', &mut self.partial) {
                 Ok(0) => return None,
                 Ok(_) if self.partial.ends_with(b"\n") => {
-                    let line = String::from_utf8_lossy(&self.partial).trim_end().to_string();
+                    let line = String::from_utf8_lossy(&self.partial)
+                        .trim_end()
+                        .to_string();
                     self.partial.clear();
                     return Some(line);
                 }
@@ -633,7 +635,8 @@ fn raw_child_client() {
     let s = UnixStream::connect(&sock).expect("child: connect");
     let mut w = s.try_clone().expect("child: clone");
     for line in reqs.lines() {
-        w.write_all(format!("{line}\n").as_bytes()).expect("child: send");
+        w.write_all(format!("{line}\n").as_bytes())
+            .expect("child: send");
     }
     s.set_read_timeout(Some(Duration::from_secs(120))).ok();
     let mut r = BufReader::new(s);

@@ -80,14 +80,24 @@ fn protocol_1_session_is_byte_for_byte_version_1() {
 
     let mut b = l.raw();
     b.send_line(r#"{"op":"acquire","resource":"engine","holder":"b","wait":false}"#);
-    expect_line(&mut b, r#"{"event":"busy","resource":"engine","holder":"me"}"#);
+    expect_line(
+        &mut b,
+        r#"{"event":"busy","resource":"engine","holder":"me"}"#,
+    );
     b.send_line(r#"{"op":"acquire","resource":"engine","holder":"b"}"#);
-    expect_line(&mut b, r#"{"event":"queued","resource":"engine","position":1}"#);
+    expect_line(
+        &mut b,
+        r#"{"event":"queued","resource":"engine","position":1}"#,
+    );
     b.send_line(r#"{"op":"release","resource":"engine"}"#);
     expect_line(&mut b, r#"{"event":"cancelled","resource":"engine"}"#);
     b.send_line(r#"{"op":"release","resource":"engine"}"#);
     let e = b.next(REPLY).expect("error");
-    assert_eq!(keys(&e), set(&["event", "code", "message", "resource"]), "{e}");
+    assert_eq!(
+        keys(&e),
+        set(&["event", "code", "message", "resource"]),
+        "{e}"
+    );
     assert_eq!(e["code"], "not_holder", "{e}");
     b.send_line(r#"{"op":"ping"}"#);
     expect_line(&mut b, r#"{"event":"pong"}"#);
@@ -133,7 +143,13 @@ fn protocol_1_session_is_byte_for_byte_version_1() {
     );
     assert_eq!(
         keys(&st["counters"]),
-        set(&["grants", "releases", "expirations", "revocations", "reclaims"]),
+        set(&[
+            "grants",
+            "releases",
+            "expirations",
+            "revocations",
+            "reclaims"
+        ]),
         "{st}"
     );
 
@@ -162,7 +178,10 @@ fn kind_mismatch_both_ways() {
     let d = tempfile::tempdir().unwrap();
     let l = Lockd2::start(d.path(), &[]);
     let mut v1 = l.raw();
-    v1.rpc(json!({"op":"acquire","resource":"k","holder":"v1"}), "granted");
+    v1.rpc(
+        json!({"op":"acquire","resource":"k","holder":"v1"}),
+        "granted",
+    );
     let mut v2 = l.raw();
     for ext in [
         json!({"ttl_ms":5000}),

@@ -71,7 +71,12 @@ fn quantity_from_two_offers_and_lease_time_is_the_minimum() {
         .as_array()
         .unwrap_or_else(|| panic!("no allocations: {g}"))
         .iter()
-        .map(|a| (a["offer"].as_str().unwrap().to_string(), u64_of(a, "quantity")))
+        .map(|a| {
+            (
+                a["offer"].as_str().unwrap().to_string(),
+                u64_of(a, "quantity"),
+            )
+        })
         .collect();
     allocs.sort();
     let total: u64 = allocs.iter().map(|a| a.1).sum();
@@ -89,7 +94,11 @@ fn quantity_from_two_offers_and_lease_time_is_the_minimum() {
     // From node-a only: the manager's max (2 s) is the smallest.
     let t = unix_ms();
     let g = c.rpc(req(2, 10_000, Some("zone in (a)")), "granted");
-    assert_eq!(g["allocations"], json!([{"offer":"node-a","quantity":2}]), "{g}");
+    assert_eq!(
+        g["allocations"],
+        json!([{"offer":"node-a","quantity":2}]),
+        "{g}"
+    );
     assert_lease_time(&g, t, 2_000);
     // The request's ttl (700 ms) is the smallest.
     let t = unix_ms();
@@ -210,10 +219,20 @@ fn quantity_requirements_match_both_ways() {
     // No attributes at all: node-c's requirement is not met either.
     c.rpc_err(ask(json!({}), "zone in (c)"), "unsatisfiable");
     // The request's own requirement excludes node-c (mem_gib > 100 is false).
-    c.rpc_err(ask(json!({"team":"infer"}), "mem_gib > 100"), "unsatisfiable");
+    c.rpc_err(
+        ask(json!({"team":"infer"}), "mem_gib > 100"),
+        "unsatisfiable",
+    );
     // Both sides satisfied: from node-c alone (5 > node-a's or node-b's 4).
-    let g = c.rpc(ask(json!({"team":"infer"}), "mem_gib > 64,!gpu_broken"), "granted");
-    assert_eq!(g["allocations"], json!([{"offer":"node-c","quantity":5}]), "{g}");
+    let g = c.rpc(
+        ask(json!({"team":"infer"}), "mem_gib > 64,!gpu_broken"),
+        "granted",
+    );
+    assert_eq!(
+        g["allocations"],
+        json!([{"offer":"node-c","quantity":5}]),
+        "{g}"
+    );
     // A request that excludes zone c: from node-a and node-b (node-c is never used).
     let g = c.rpc(ask(json!({"team":"infer"}), "zone notin (c)"), "granted");
     let offers: Vec<&str> = g["allocations"]
@@ -241,7 +260,10 @@ fn quantity_resume_after_the_client_crash() {
     let mut c = l.raw();
     let rep = c.lease(id);
     assert_eq!(rep["state"], "held", "the lease outlives its client: {rep}");
-    c.rpc_err(json!({"op":"resume","lease_id":id,"token":"00"}), "bad_token");
+    c.rpc_err(
+        json!({"op":"resume","lease_id":id,"token":"00"}),
+        "bad_token",
+    );
     let r = c.rpc(json!({"op":"resume","lease_id":id,"token":tok}), "granted");
     assert_eq!(lease_id(&r), id, "{r}");
     assert_eq!(r["reclaimed"], true, "{r}");
@@ -278,7 +300,10 @@ fn quantity_persists_across_a_lockd_sigkill() {
     assert_eq!(rep["state"], "held", "{rep}");
     assert_eq!(u64_of(&rep, "expires_at_unix_ms"), exp, "{rep}");
     let st = c.status(false);
-    let offers = st["pools"][0]["offers"].as_array().cloned().unwrap_or_default();
+    let offers = st["pools"][0]["offers"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
     let names: Vec<&str> = offers.iter().filter_map(|o| o["name"].as_str()).collect();
     assert_eq!(names, ["node-a", "node-b", "node-d"], "{st}");
     let a = offers.iter().find(|o| o["name"] == "node-a").unwrap();
@@ -320,9 +345,15 @@ fn quantity_offers_file_pool_taken_by_a_v1_lease_still_restarts() {
     let mut l = Lockd2::start(d.path(), &["--offers", &f]);
     let mut c = l.raw();
     for name in ["node-a", "node-b"] {
-        c.rpc(json!({"op":"withdraw","pool":"gpus","name":name}), "withdrawn");
+        c.rpc(
+            json!({"op":"withdraw","pool":"gpus","name":name}),
+            "withdrawn",
+        );
     }
-    c.rpc(json!({"op":"acquire","resource":"gpus","holder":"v1"}), "granted");
+    c.rpc(
+        json!({"op":"acquire","resource":"gpus","holder":"v1"}),
+        "granted",
+    );
     drop(c);
     l.restart();
 }

@@ -119,7 +119,10 @@ fn shared_writer_killed_before_commit_and_min_version() {
     // The next reader sees version 1 (no commit happened).
     let mut r = l.raw();
     let g = r.rpc(acq("v", "r", "shared"), "granted");
-    assert_eq!(g["version"], 1, "a writer killed before commit changed the version: {g}");
+    assert_eq!(
+        g["version"], 1,
+        "a writer killed before commit changed the version: {g}"
+    );
     let rep = r.lease(cid);
     assert_eq!(rep["state"], "released", "{rep}");
     parked.quiet(QUIET, "parked reader granted below its min_version");

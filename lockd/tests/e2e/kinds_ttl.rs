@@ -65,7 +65,10 @@ fn ttl_acquire_renew_expire_revoke_and_tombstones() {
     std::thread::sleep(Duration::from_millis(400));
     let r = a.rpc(json!({"op":"renew","lease_id":id1,"token":tok1}), "renewed");
     let exp1b = u64_of(&r, "expires_at_unix_ms");
-    assert!(exp1b >= exp1 + 350, "renew did not extend: {exp1} -> {exp1b}");
+    assert!(
+        exp1b >= exp1 + 350,
+        "renew did not extend: {exp1} -> {exp1b}"
+    );
     // A wrong token is refused.
     a.rpc_err(
         json!({"op":"renew","lease_id":id1,"token":"00"}),
@@ -124,7 +127,9 @@ fn ttl_acquire_renew_expire_revoke_and_tombstones() {
     assert_eq!(r1["state"], "expired", "{r1}");
     assert_eq!(r3["state"], "revoked", "{r3}");
     assert!(
-        r3["reason"].as_str().is_some_and(|s| s.starts_with("revoked:")),
+        r3["reason"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("revoked:")),
         "{r3}"
     );
     let r2 = o.lease(lease_id(&g2));
@@ -156,7 +161,10 @@ fn ttl_waiter_granted_when_holder_ttl_runs_out() {
     assert_eq!(rep["state"], "waiting", "{rep}");
     let g = b.until("granted", Duration::from_millis(3000));
     let at = unix_ms();
-    assert!(at >= exp, "granted at {at}, before the holder's deadline {exp}");
+    assert!(
+        at >= exp,
+        "granted at {at}, before the holder's deadline {exp}"
+    );
     assert!(at <= exp + 500, "granted at {at}, long after {exp}");
     assert_eq!(lease_id(&g), qid, "the queued id is the lease's id");
     assert!(u64_of(&g, "epoch") > ea, "{g} after epoch {ea}");
@@ -206,7 +214,10 @@ fn ttl_restart_mid_ttl_keeps_the_deadline() {
     let g = b.until("granted", Duration::from_millis(2000));
     let at = unix_ms();
     assert!(at >= exp, "granted at {at}, before the deadline {exp}");
-    assert!(at <= exp + 300, "granted at {at}, more than 300 ms after {exp}");
+    assert!(
+        at <= exp + 300,
+        "granted at {at}, more than 300 ms after {exp}"
+    );
     assert_eq!(lease_id(&g), lease_id(&q));
     assert!(u64_of(&g, "epoch") > ea, "{g}");
     let rep = o.lease(id);

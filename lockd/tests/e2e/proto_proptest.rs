@@ -7,8 +7,7 @@ use std::collections::BTreeMap;
 
 use lockd::line::LineBuf;
 use lockd::proto::{
-    decode_event, decode_request, encode_request, AcquireExt, ErrorCode, Mode, Request,
-    MAX_TTL_MS,
+    decode_event, decode_request, encode_request, AcquireExt, ErrorCode, Mode, Request, MAX_TTL_MS,
 };
 use proptest::prelude::*;
 use serde_json::{json, Value};
@@ -63,13 +62,18 @@ fn selector() -> impl Strategy<Value = String> {
         "![a-z]{1,8}".prop_map(|k| k),
         ("[a-z]{1,8}", "[a-z0-9]{1,8}").prop_map(|(k, v)| format!("{k}={v}")),
         ("[a-z]{1,8}", "[a-z0-9]{1,8}").prop_map(|(k, v)| format!("{k}!={v}")),
-        ("[a-z]{1,8}", proptest::collection::vec("[a-z0-9]{1,6}", 1..4))
+        (
+            "[a-z]{1,8}",
+            proptest::collection::vec("[a-z0-9]{1,6}", 1..4)
+        )
             .prop_map(|(k, vs)| format!("{k} in ({})", vs.join(","))),
-        ("[a-z]{1,8}", proptest::collection::vec("[a-z0-9]{1,6}", 1..4))
+        (
+            "[a-z]{1,8}",
+            proptest::collection::vec("[a-z0-9]{1,6}", 1..4)
+        )
             .prop_map(|(k, vs)| format!("{k} notin ({})", vs.join(","))),
         ("[a-z]{1,8}", 0u32..1000).prop_map(|(k, n)| format!("{k} > {n}")),
-        ("[a-z]{1,8}", 0u32..1000, "[a-z]{1,8}")
-            .prop_map(|(k, n, e)| format!("{k} < {n},{e}")),
+        ("[a-z]{1,8}", 0u32..1000, "[a-z]{1,8}").prop_map(|(k, n, e)| format!("{k} < {n},{e}")),
     ]
 }
 
@@ -103,7 +107,11 @@ fn v2_request() -> impl Strategy<Value = Request> {
             proptest::option::of(any::<u64>())
         )
             .prop_map(|(resource, holder, wait, ttl_ms, shared, min)| {
-                let mode = if shared { Mode::Shared } else { Mode::Exclusive };
+                let mode = if shared {
+                    Mode::Shared
+                } else {
+                    Mode::Exclusive
+                };
                 Request::Acquire {
                     resource,
                     holder,
@@ -125,30 +133,32 @@ fn v2_request() -> impl Strategy<Value = Request> {
             proptest::option::of(selector()),
             proptest::option::of(attrs())
         )
-            .prop_map(|(resource, holder, wait, ttl_ms, q, requirements, attributes)| {
-                Request::Acquire {
-                    resource,
-                    holder,
-                    wait,
-                    ext: AcquireExt {
-                        ttl_ms,
-                        quantity: Some(q),
-                        requirements,
-                        attributes,
-                        ..AcquireExt::default()
-                    },
+            .prop_map(
+                |(resource, holder, wait, ttl_ms, q, requirements, attributes)| {
+                    Request::Acquire {
+                        resource,
+                        holder,
+                        wait,
+                        ext: AcquireExt {
+                            ttl_ms,
+                            quantity: Some(q),
+                            requirements,
+                            attributes,
+                            ..AcquireExt::default()
+                        },
+                    }
                 }
-            }),
-        (id.clone(), tok, proptest::option::of(ttl())).prop_map(|(lease_id, token, ttl_ms)| {
+            ),
+        (id, tok, proptest::option::of(ttl())).prop_map(|(lease_id, token, ttl_ms)| {
             Request::Renew {
                 lease_id,
                 token,
                 ttl_ms,
             }
         }),
-        (id.clone(), tok).prop_map(|(lease_id, token)| Request::Commit { lease_id, token }),
-        (id.clone(), tok).prop_map(|(lease_id, token)| Request::Resume { lease_id, token }),
-        id.clone().prop_map(|lease_id| Request::Lease { lease_id }),
+        (id, tok).prop_map(|(lease_id, token)| Request::Commit { lease_id, token }),
+        (id, tok).prop_map(|(lease_id, token)| Request::Resume { lease_id, token }),
+        id.prop_map(|lease_id| Request::Lease { lease_id }),
         (proptest::option::of(name()), proptest::option::of(name()))
             .prop_map(|(resource, holder)| Request::Leases { resource, holder }),
         (
@@ -161,7 +171,15 @@ fn v2_request() -> impl Strategy<Value = Request> {
             proptest::option::of("[a-z]{0,10}")
         )
             .prop_map(
-                |(pool, name, quantity, attributes, max_lease_time_ms, requirements, admin_token)| {
+                |(
+                    pool,
+                    name,
+                    quantity,
+                    attributes,
+                    max_lease_time_ms,
+                    requirements,
+                    admin_token,
+                )| {
                     Request::Offer {
                         pool,
                         name,
@@ -180,19 +198,22 @@ fn v2_request() -> impl Strategy<Value = Request> {
                 admin_token
             }
         ),
-        (id.clone(), tok).prop_map(|(lease_id, token)| Request::Release {
+        (id, tok).prop_map(|(lease_id, token)| Request::Release {
             resource: None,
             lease_id: Some(lease_id),
             token: Some(token),
         }),
-        (id, proptest::option::of(".{0,20}"), proptest::option::of("[a-z]{0,10}")).prop_map(
-            |(lease_id, reason, admin_token)| Request::Revoke {
+        (
+            id,
+            proptest::option::of(".{0,20}"),
+            proptest::option::of("[a-z]{0,10}")
+        )
+            .prop_map(|(lease_id, reason, admin_token)| Request::Revoke {
                 resource: None,
                 lease_id: Some(lease_id),
                 reason,
                 admin_token,
-            }
-        ),
+            }),
         any::<bool>().prop_map(|b| Request::Status { sessions: Some(b) }),
     ]
 }
