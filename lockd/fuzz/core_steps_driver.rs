@@ -13,8 +13,9 @@
 //!   the acknowledgement of the pending durable write, or a crash: the core is rebuilt from
 //!   the last *acknowledged* snapshot, which must restore.
 //!
-//! Asserts that nothing panics, that every snapshot the core asks to persist restores, and
-//! that grants are never sent before their epoch is durable.
+//! Asserts that nothing panics, that every durable snapshot decodes (`decode_state`, the
+//! server's path) and restores (`Core::new`), and that a version-1 grant is never sent
+//! before its epoch is durable.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
