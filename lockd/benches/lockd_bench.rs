@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! cargo bench -p lockd --bench lockd_bench -- [--rounds 200] [--clients 64] [--seconds 5]
-//!     [--scale-sessions 10000] [--scale-resources 1000] [--scale-only]
+//!     [--scale-sessions 10000] [--scale-resources 1000] [--scale-only | --kinds-only]
+//!     [--json FILE]
 //! ```
 //!
 //! Measures, in one run, with the state file on tmpfs (/dev/shm):
@@ -20,6 +21,15 @@
 //!    and the time until every resource's next waiter has read its grant after every holder
 //!    closed its connection at once (with the number of durable state writes that took).
 //!    `--scale-only` runs this part alone. Needs `ulimit -n` above the session count.
+//!    Beside the full `status`, the same with `"sessions":false` (no per-session list).
+//! 4. the same scale figures per protocol-2 lease kind, each on a fresh lockd (ttl: every
+//!    resource held by a TTL lease with waiters, mass release by lease id; shared: readers
+//!    holding and one writer waiting per resource, every reader leaves at once; quantity: one
+//!    pool of `--scale-resources` offers of 1 and `--scale-sessions` requests of 1), and one
+//!    client's acquire+release cycles/s on one resource for each kind (v1 included).
+//!    `--kinds-only` runs this part alone.
+//!
+//! `--json FILE` writes every figure as JSON (also printed last).
 //!
 //! lockd runs with `LOCKD_LOG=warn` (set `LOCKD_BENCH_LOG=info` to include its per-transition
 //! log lines, written to a file in the bench directory). It is started by `harness::lockd`,
@@ -455,6 +465,10 @@ struct Scale {
     status_us: Vec<f64>,
     /// Bytes of one `status` answer.
     status_bytes: usize,
+    /// `status` with `"sessions":false` round trips (µs, sorted).
+    status_nosess_us: Vec<f64>,
+    /// Bytes of one `status` answer with `"sessions":false`.
+    status_nosess_bytes: usize,
     /// Every holder closes its connection at once → every resource granted to its next waiter (ms).
     mass_handover_ms: f64,
     /// Durable state writes during the mass hand-over.
@@ -530,6 +544,7 @@ fn scale(dir: &Path, sessions: usize, resources: usize) -> Scale {
         status_bytes = line.len();
     }
     status_us.sort_by(f64::total_cmp);
+    let (status_nosess_us, status_nosess_bytes) = status_times(&mut st, &mut p, false, 30);
     drop(st);
     // The next waiter of resource r is the session that connected at `resources + r`.
     let w0 = scrape(metrics);
@@ -553,6 +568,8 @@ fn scale(dir: &Path, sessions: usize, resources: usize) -> Scale {
         rss_kib: rss,
         status_us,
         status_bytes,
+        status_nosess_us,
+        status_nosess_bytes,
         mass_handover_ms,
         mass_writes,
     }
@@ -583,6 +600,16 @@ fn scale_phase(base: &Path, sessions: usize, resources: usize) -> serde_json::Va
         sc.status_us.len(),
         if med <= 5000.0 { "MET" } else { "MISSED" }
     );
+    let (nmed, np99) = (
+        pct(&sc.status_nosess_us, 50.0),
+        pct(&sc.status_nosess_us, 99.0),
+    );
+    println!(
+        "  status with \"sessions\":false ({} bytes): median {:.2} ms, p99 {:.2} ms",
+        sc.status_nosess_bytes,
+        nmed / 1e3,
+        np99 / 1e3,
+    );
     println!(
         "  every holder leaves at once -> all {} hand-overs seen by the next waiters: {:.1} ms, {} durable state writes (target <= 100 ms: {})",
         sc.resources,
@@ -594,8 +621,384 @@ fn scale_phase(base: &Path, sessions: usize, resources: usize) -> serde_json::Va
         "sessions": sc.sessions, "resources": sc.resources,
         "rss_mib": mib, "rss_idle_mib": sc.rss_idle_kib as f64 / 1024.0, "rss_kib_per_session": per_session,
         "status_ms": {"median": med / 1e3, "p99": p99 / 1e3, "bytes": sc.status_bytes},
+        "status_sessions_false_ms": {"median": nmed / 1e3, "p99": np99 / 1e3, "bytes": sc.status_nosess_bytes},
         "mass_handover_ms": sc.mass_handover_ms, "mass_handover_state_writes": sc.mass_writes,
     })
+}
+
+/// `n` `status` round trips over `st` (full, or `"sessions":false`): (µs sorted, bytes).
+fn status_times(
+    st: &mut UnixStream,
+    p: &mut Vec<u8>,
+    sessions: bool,
+    n: usize,
+) -> (Vec<f64>, usize) {
+    let req: &[u8] = if sessions {
+        b"{\"op\":\"status\"}\n"
+    } else {
+        b"{\"op\":\"status\",\"sessions\":false}\n"
+    };
+    let mut us = Vec::with_capacity(n);
+    let mut bytes = 0;
+    for _ in 0..n {
+        let t = Instant::now();
+        st.write_all(req).expect("status");
+        let line = read_until(st, p, b"\"event\":\"status\"", Duration::from_secs(30));
+        us.push(t.elapsed().as_secs_f64() * 1e6);
+        bytes = line.len();
+    }
+    us.sort_by(f64::total_cmp);
+    (us, bytes)
+}
+
+/// A lease kind of protocol 2, for the per-kind figures.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    /// Version 1's connection-bound lease.
+    Exclusive,
+    /// `ttl_ms`.
+    Ttl,
+    /// `mode` (readers and writers).
+    Shared,
+    /// `quantity` from a pool's offers.
+    Quantity,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Exclusive => "exclusive (v1)",
+            Kind::Ttl => "ttl",
+            Kind::Shared => "shared",
+            Kind::Quantity => "quantity",
+        }
+    }
+}
+
+/// A connection that sent one acquire and reads its answers (bytes not yet consumed kept).
+struct Client {
+    s: UnixStream,
+    p: Vec<u8>,
+}
+
+impl Client {
+    fn connect(sock: &Path, line: &str) -> Client {
+        let mut s = UnixStream::connect(sock).expect("connect (raise ulimit -n?)");
+        s.write_all(line.as_bytes()).expect("acquire");
+        Client { s, p: Vec::new() }
+    }
+    /// The next line whose head contains `needle`, as JSON.
+    fn until(&mut self, needle: &[u8], limit: Duration) -> serde_json::Value {
+        let line = read_until(&mut self.s, &mut self.p, needle, limit);
+        serde_json::from_slice(&line).expect("JSON event")
+    }
+}
+
+/// The offers file of the quantity figures: pool `gpus` with `n` offers of quantity 1.
+fn offers_file(dir: &Path, n: usize) -> PathBuf {
+    let offers: Vec<serde_json::Value> = (0..n)
+        .map(|i| serde_json::json!({"name": format!("o{i}"), "quantity": 1, "attributes": {"rack": format!("r{}", i % 10)}}))
+        .collect();
+    let f = dir.join("offers.json");
+    std::fs::write(&f, serde_json::json!({ "gpus": offers }).to_string()).expect("offers file");
+    f
+}
+
+/// Scale figures of one lease kind (see [`scale_kind`]).
+struct KindScale {
+    kind: Kind,
+    sessions: usize,
+    resources: usize,
+    rss_idle_kib: u64,
+    rss_kib: u64,
+    setup_s: f64,
+    status_us: Vec<f64>,
+    status_bytes: usize,
+    status_nosess_us: Vec<f64>,
+    status_nosess_bytes: usize,
+    mass_handover_ms: f64,
+    mass_writes: f64,
+}
+
+/// The scale scenario of one protocol-2 kind on a fresh lockd, `sessions` raw connections:
+/// * ttl: `resources` resources, each held by a TTL lease (10 min), the other sessions
+///   queued evenly; mass release = every holder releases by lease id at once;
+/// * shared: `resources` resources, each read by `sessions / resources - 1` readers with
+///   one writer waiting; mass release = every reader's connection closes at once;
+/// * quantity: one pool of `resources` offers of quantity 1, `sessions` requests of 1
+///   (`resources` granted, the rest queued); mass release = every holder releases at once.
+///
+/// The mass hand-over time runs until each of the `resources` next waiters has read its
+/// grant.
+fn scale_kind(dir: &Path, kind: Kind, sessions: usize, resources: usize) -> KindScale {
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let offers = offers_file(dir, resources);
+    let offers = offers.display().to_string();
+    let mut extra = vec!["--idle-timeout", "120s"];
+    if matches!(kind, Kind::Quantity) {
+        extra.extend(["--offers", offers.as_str()]);
+    }
+    let mut lockd = start_lockd(dir, metrics, &extra);
+    let sock = lockd.socket().to_path_buf();
+    let pid = lockd.pid().expect("lockd runs") as u32;
+    let rss_idle_kib = rss_kib(pid);
+    let t_setup = Instant::now();
+    let line = |i: usize, exclusive: bool| -> String {
+        let r = i % resources;
+        let v = match kind {
+            Kind::Exclusive => {
+                serde_json::json!({"op":"acquire","resource":format!("s{r}"),"holder":format!("h{i}")})
+            }
+            Kind::Ttl => {
+                serde_json::json!({"op":"acquire","resource":format!("s{r}"),"holder":format!("h{i}"),"ttl_ms":600_000})
+            }
+            Kind::Shared => {
+                serde_json::json!({"op":"acquire","resource":format!("s{r}"),"holder":format!("h{i}"),
+                "mode": if exclusive { "exclusive" } else { "shared" }})
+            }
+            Kind::Quantity => {
+                serde_json::json!({"op":"acquire","resource":"gpus","holder":format!("h{i}"),"quantity":1,"ttl_ms":600_000})
+            }
+        };
+        format!("{v}\n")
+    };
+    // Holders (granted at once), then waiters (queued), in rounds over the resources.
+    let holders_n = match kind {
+        Kind::Shared => sessions - resources,
+        _ => resources,
+    };
+    let mut holders: Vec<(Client, u64, String)> = Vec::with_capacity(holders_n);
+    for i in 0..holders_n {
+        let mut c = Client::connect(&sock, &line(i, false));
+        let g = c.until(b"\"event\":\"granted\"", Duration::from_secs(60));
+        let id = g["lease_id"].as_u64().unwrap_or(0);
+        let tok = g["token"].as_str().unwrap_or_default().to_string();
+        holders.push((c, id, tok));
+    }
+    let mut waiters: Vec<Client> = (holders_n..sessions)
+        .map(|i| Client::connect(&sock, &line(i, true)))
+        .collect();
+    for w in &mut waiters {
+        w.until(b"\"event\":\"queued\"", Duration::from_secs(120));
+    }
+    let setup_s = t_setup.elapsed().as_secs_f64();
+    std::thread::sleep(Duration::from_millis(300));
+    let rss = rss_kib(pid);
+    let mut st = UnixStream::connect(&sock).expect("connect");
+    let mut p = Vec::new();
+    read_until(
+        &mut st,
+        &mut p,
+        b"\"event\":\"hello\"",
+        Duration::from_secs(10),
+    );
+    let (status_us, status_bytes) = status_times(&mut st, &mut p, true, 10);
+    let (status_nosess_us, status_nosess_bytes) = status_times(&mut st, &mut p, false, 10);
+    drop(st);
+    let w0 = scrape(metrics);
+    let t = Instant::now();
+    match kind {
+        Kind::Exclusive | Kind::Shared => drop(holders),
+        Kind::Ttl | Kind::Quantity => {
+            for (c, id, tok) in &mut holders {
+                let req = format!("{{\"op\":\"release\",\"lease_id\":{id},\"token\":\"{tok}\"}}\n");
+                c.s.write_all(req.as_bytes()).expect("release");
+            }
+        }
+    }
+    // The next waiter of each resource (quantity: the first `resources` waiters, FIFO).
+    let next = match kind {
+        Kind::Shared => waiters.len(),
+        _ => resources,
+    };
+    for w in waiters.iter_mut().take(next) {
+        w.until(b"\"event\":\"granted\"", Duration::from_secs(120));
+    }
+    let mass_handover_ms = t.elapsed().as_secs_f64() * 1e3;
+    let w1 = scrape(metrics);
+    let mass_writes =
+        metric(&w1, "lockd_persist_seconds_count") - metric(&w0, "lockd_persist_seconds_count");
+    drop(waiters);
+    lockd.signal(Signal::SIGTERM);
+    let _ = lockd.wait_exit(Duration::from_secs(30));
+    KindScale {
+        kind,
+        sessions,
+        resources,
+        rss_idle_kib,
+        rss_kib: rss,
+        setup_s,
+        status_us,
+        status_bytes,
+        status_nosess_us,
+        status_nosess_bytes,
+        mass_handover_ms,
+        mass_writes,
+    }
+}
+
+/// Acquire+release cycles per second of one client on one resource, per kind (one
+/// connection, each request waits for its answer), for `secs` seconds.
+fn kind_cycles(sock: &Path, kind: Kind, secs: f64) -> (u64, f64) {
+    let (acq, rel) = match kind {
+        Kind::Exclusive => (
+            "{\"op\":\"acquire\",\"resource\":\"cyc-x\",\"holder\":\"c\"}\n",
+            "{\"op\":\"release\",\"resource\":\"cyc-x\"}\n",
+        ),
+        Kind::Ttl => (
+            "{\"op\":\"acquire\",\"resource\":\"cyc-t\",\"holder\":\"c\",\"ttl_ms\":60000}\n",
+            "{\"op\":\"release\",\"resource\":\"cyc-t\"}\n",
+        ),
+        Kind::Shared => (
+            "{\"op\":\"acquire\",\"resource\":\"cyc-s\",\"holder\":\"c\",\"mode\":\"shared\"}\n",
+            "{\"op\":\"release\",\"resource\":\"cyc-s\"}\n",
+        ),
+        Kind::Quantity => (
+            "{\"op\":\"acquire\",\"resource\":\"gpus\",\"holder\":\"c\",\"quantity\":1,\"ttl_ms\":60000}\n",
+            "{\"op\":\"release\",\"resource\":\"gpus\"}\n",
+        ),
+    };
+    let mut s = UnixStream::connect(sock).expect("connect");
+    let mut p = Vec::new();
+    read_until(
+        &mut s,
+        &mut p,
+        b"\"event\":\"hello\"",
+        Duration::from_secs(10),
+    );
+    let t = Instant::now();
+    let mut n = 0u64;
+    while t.elapsed().as_secs_f64() < secs {
+        s.write_all(acq.as_bytes()).expect("acquire");
+        read_until(
+            &mut s,
+            &mut p,
+            b"\"event\":\"granted\"",
+            Duration::from_secs(10),
+        );
+        s.write_all(rel.as_bytes()).expect("release");
+        read_until(
+            &mut s,
+            &mut p,
+            b"\"event\":\"released\"",
+            Duration::from_secs(10),
+        );
+        n += 1;
+    }
+    (n, n as f64 / t.elapsed().as_secs_f64())
+}
+
+/// The per-kind figures: scale of each kind and one-resource cycles; prints a table and
+/// returns them as JSON.
+fn kinds_phase(base: &Path, sessions: usize, resources: usize, secs: f64) -> serde_json::Value {
+    let mut rows = Vec::new();
+    for kind in [Kind::Ttl, Kind::Shared, Kind::Quantity] {
+        let dir = base.join(format!(
+            "scale-{}",
+            kind.name().split(' ').next().unwrap_or("k")
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        eprintln!(
+            "  scale, {}: {sessions} sessions over {resources} resources ...",
+            kind.name()
+        );
+        rows.push(scale_kind(&dir, kind, sessions, resources));
+    }
+    let dir = base.join("cycles");
+    std::fs::create_dir_all(&dir).unwrap();
+    let offers = offers_file(&dir, 1).display().to_string();
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut lockd = start_lockd(&dir, metrics, &["--offers", &offers]);
+    let sock = lockd.socket().to_path_buf();
+    let cycles: Vec<(Kind, u64, f64)> = [Kind::Exclusive, Kind::Ttl, Kind::Shared, Kind::Quantity]
+        .into_iter()
+        .map(|k| {
+            let (n, r) = kind_cycles(&sock, k, secs);
+            (k, n, r)
+        })
+        .collect();
+    lockd.signal(Signal::SIGTERM);
+    let _ = lockd.wait_exit(Duration::from_secs(10));
+
+    println!("\nscale per lease kind ({sessions} sessions, raw clients; ttl: {resources} resources held by TTL leases, the rest queued; shared: {resources} resources, readers holding + one writer waiting each; quantity: one pool of {resources} offers of 1, {sessions} requests of 1)");
+    println!(
+        "  {:<9} {:>8} {:>10} {:>12} {:>13} {:>13} {:>14} {:>8} {:>8}",
+        "kind",
+        "RSS MiB",
+        "KiB/sess",
+        "setup s",
+        "status ms",
+        "status ms",
+        "mass hand-",
+        "hand-",
+        "state"
+    );
+    println!(
+        "  {:<9} {:>8} {:>10} {:>12} {:>13} {:>13} {:>14} {:>8} {:>8}",
+        "", "", "", "", "(median)", "(sess:false)", "over ms", "overs", "writes"
+    );
+    let mut json_rows = Vec::new();
+    for k in &rows {
+        let mib = k.rss_kib as f64 / 1024.0;
+        let per = k.rss_kib.saturating_sub(k.rss_idle_kib) as f64 / k.sessions.max(1) as f64;
+        let (med, nmed) = (pct(&k.status_us, 50.0), pct(&k.status_nosess_us, 50.0));
+        let overs = match k.kind {
+            Kind::Shared => k.resources,
+            _ => k.resources,
+        };
+        println!(
+            "  {:<9} {:>8.1} {:>10.2} {:>12.1} {:>13.2} {:>13.2} {:>14.1} {:>8} {:>8}",
+            k.kind.name(),
+            mib,
+            per,
+            k.setup_s,
+            med / 1e3,
+            nmed / 1e3,
+            k.mass_handover_ms,
+            overs,
+            k.mass_writes
+        );
+        json_rows.push(serde_json::json!({
+            "kind": k.kind.name(), "sessions": k.sessions, "resources": k.resources,
+            "rss_mib": mib, "rss_idle_mib": k.rss_idle_kib as f64 / 1024.0, "rss_kib_per_session": per,
+            "setup_s": k.setup_s,
+            "status_ms": {"median": med / 1e3, "p99": pct(&k.status_us, 99.0) / 1e3, "bytes": k.status_bytes},
+            "status_sessions_false_ms": {"median": nmed / 1e3, "p99": pct(&k.status_nosess_us, 99.0) / 1e3, "bytes": k.status_nosess_bytes},
+            "mass_handover_ms": k.mass_handover_ms, "mass_handovers": overs, "mass_handover_state_writes": k.mass_writes,
+        }));
+    }
+    println!("\none client, one resource: acquire+release cycles (each request waits for its answer; state fsynced per change)");
+    let mut json_cycles = serde_json::Map::new();
+    for (k, n, r) in &cycles {
+        println!("  {:<15} {:>9.0} cycles/s ({n} cycles)", k.name(), r);
+        json_cycles.insert(k.name().into(), serde_json::json!(r));
+    }
+    serde_json::json!({ "scale_per_kind": json_rows, "one_client_cycles_per_s": json_cycles })
+}
+
+/// The value of a `--NAME VALUE` argument.
+fn arg_str(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+}
+
+/// Writes `v` to the `--json FILE` given, if any.
+fn write_json(v: &serde_json::Value) {
+    if let Some(f) = arg_str("--json") {
+        std::fs::write(&f, format!("{v:#}\n")).unwrap_or_else(|e| panic!("--json {f}: {e}"));
+        eprintln!("  figures written to {f}");
+    }
 }
 
 fn main() {
@@ -615,7 +1018,21 @@ fn main() {
         .expect("tempdir");
     if std::env::args().any(|a| a == "--scale-only") {
         let sc = scale_phase(dir.path(), scale_sessions, scale_resources);
-        println!("\n{}", serde_json::json!({ "scale": sc }));
+        let v = serde_json::json!({ "scale": sc });
+        println!("\n{v}");
+        write_json(&v);
+        return;
+    }
+    if std::env::args().any(|a| a == "--kinds-only") {
+        let k = kinds_phase(
+            dir.path(),
+            scale_sessions,
+            scale_resources,
+            secs as f64 / 2.0,
+        );
+        let v = serde_json::json!({ "kinds": k });
+        println!("\n{v}");
+        write_json(&v);
         return;
     }
     let flock_file = dir.path().join("flock.lock");
@@ -751,6 +1168,12 @@ fn main() {
         100.0 * hits / n1.max(1) as f64,
     );
     let sc = scale_phase(dir.path(), scale_sessions, scale_resources);
+    let kinds = kinds_phase(
+        dir.path(),
+        scale_sessions,
+        scale_resources,
+        secs as f64 / 2.0,
+    );
     let mut load = String::new();
     let _ = std::fs::File::open("/proc/loadavg").and_then(|mut f| f.read_to_string(&mut load));
     println!(
@@ -761,17 +1184,17 @@ fn main() {
             .collect::<Vec<_>>()
             .join(" ")
     );
-    println!(
-        "\n{}",
-        serde_json::json!({
+    let all = serde_json::json!({
             "rounds": rounds,
             "handoff_us": {"percentiles": "nearest rank", "lockd": {"median": lm, "p99": lp}, "flock": {"median": fm, "p99": fp}, "median_ratio": ratio},
             "throughput_cycles_per_s": {"clients": clients, "one_resource": tp1, "eight_resources": tp8, "one_resource_threads": tpt, "one_resource_busy_poll_off": tpo},
             "bare_round_trips_per_s": bare,
             "lockd_cpu_us_per_cycle": {"one_resource": c1, "eight_resources": c8, "one_resource_busy_poll_off": co},
             "scale": sc,
-        })
-    );
+            "kinds": kinds,
+    });
+    println!("\n{all}");
+    write_json(&all);
     lockd.signal(Signal::SIGTERM);
     let _ = lockd.wait_exit(Duration::from_secs(10));
 }

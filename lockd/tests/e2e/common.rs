@@ -443,3 +443,383 @@ impl OutputWithin for Command {
         })
     }
 }
+
+/// Milliseconds since the Unix epoch, now (the clock lockd's deadlines are given in).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Bound on one reply of lockd in the raw protocol-2 tests.
+pub const REPLY: Duration = Duration::from_secs(5);
+
+/// A raw protocol-2 connection: JSON lines over the Unix socket, no client library; every
+/// read is bounded. `connect` reads the `hello`.
+pub struct Raw {
+    w: UnixStream,
+    r: BufReader<UnixStream>,
+    /// Bytes of a line not yet complete when a read timed out.
+    partial: Vec<u8>,
+    /// The `hello` event.
+    pub hello: Value,
+    /// The `hello` line, as sent (newline removed).
+    pub hello_line: String,
+    /// This connection's session id (from `hello`).
+    pub session: u64,
+}
+
+impl Raw {
+    /// Connects, reads `hello` (panics if none within [`REPLY`]).
+    pub fn connect(sock: &Path) -> Raw {
+        let s = UnixStream::connect(sock).unwrap_or_else(|e| panic!("connect {sock:?}: {e}"));
+        let r = BufReader::new(s.try_clone().expect("clone socket"));
+        let mut c = Raw {
+            w: s,
+            r,
+            partial: Vec::new(),
+            hello: Value::Null,
+            hello_line: String::new(),
+            session: 0,
+        };
+        let line = c.next_line(REPLY).expect("hello");
+        let hello: Value = serde_json::from_str(&line).expect("hello is JSON");
+        c.hello_line = line;
+        assert_eq!(hello["event"], "hello", "first line: {hello}");
+        c.session = hello["session"].as_u64().expect("hello session");
+        c.hello = hello;
+        c
+    }
+
+    /// Sends one JSON request (a newline is added).
+    pub fn send(&mut self, req: &Value) {
+        self.send_line(&req.to_string());
+    }
+
+    /// Sends one raw line (a newline is added).
+    pub fn send_line(&mut self, line: &str) {
+        let _ = self.w.write_all(format!("{line}\n").as_bytes());
+    }
+
+    /// The next line as sent (newline removed), or None on EOF or after `limit`.
+    pub fn next_line(&mut self, limit: Duration) -> Option<String> {
+        let end = Instant::now() + limit;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            self.r.get_ref().set_read_timeout(Some(left)).ok()?;
+            match self.r.read_until(b'\n', &mut self.partial) {
+                Ok(0) => return None,
+                Ok(_) if self.partial.ends_with(b"\n") => {
+                    let line = String::from_utf8_lossy(&self.partial)
+                        .trim_end()
+                        .to_string();
+                    self.partial.clear();
+                    return Some(line);
+                }
+                Ok(_) => return None,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    continue
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(_) => return None,
+            }
+        }
+    }
+
+    /// The next event, or None on EOF or after `limit` (panics on a line that is not JSON).
+    pub fn next(&mut self, limit: Duration) -> Option<Value> {
+        let line = self.next_line(limit)?;
+        Some(serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON: {line}: {e}")))
+    }
+
+    /// Skips events until one named `event` arrives; panics (showing what came) after
+    /// `limit`, or when an `error` event comes first.
+    pub fn until(&mut self, event: &str, limit: Duration) -> Value {
+        let end = Instant::now() + limit;
+        let mut seen = Vec::new();
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.next(left) {
+                Some(v) if v["event"] == event => return v,
+                Some(v) if v["event"] == "error" && event != "error" => {
+                    panic!("error while waiting for {event}: {v} (after {seen:?})")
+                }
+                Some(v) => seen.push(v),
+                None => panic!("no {event} within {limit:?} (got {seen:?})"),
+            }
+        }
+    }
+
+    /// Sends `req` and returns the reply `event` (see [`until`](Self::until)).
+    pub fn rpc(&mut self, req: Value, event: &str) -> Value {
+        self.send(&req);
+        self.until(event, REPLY)
+    }
+
+    /// Sends `req` and expects an `error` with `code`; returns the error event.
+    pub fn rpc_err(&mut self, req: Value, code: &str) -> Value {
+        self.send(&req);
+        let e = self.until("error", REPLY);
+        assert_eq!(e["code"], code, "expected error {code} for {req}: {e}");
+        e
+    }
+
+    /// `lease {lease_id}`: the report.
+    pub fn lease(&mut self, id: u64) -> Value {
+        self.rpc(serde_json::json!({"op":"lease","lease_id":id}), "lease")
+    }
+
+    /// `status` (full, or without sessions).
+    pub fn status(&mut self, sessions: bool) -> Value {
+        self.rpc(
+            serde_json::json!({"op":"status","sessions":sessions}),
+            "status",
+        )
+    }
+
+    /// Asserts that no event arrives within `d` (e.g. a waiter not granted yet).
+    pub fn quiet(&mut self, d: Duration, what: &str) {
+        if let Some(v) = self.next(d) {
+            panic!("{what}: unexpected event {v}");
+        }
+    }
+}
+
+/// The `lease_id` of a `granted`/`queued` event (panics when absent).
+pub fn lease_id(v: &Value) -> u64 {
+    v["lease_id"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no lease_id in {v}"))
+}
+
+/// The `token` of a `granted` event (panics when absent).
+pub fn token(v: &Value) -> String {
+    v["token"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no token in {v}"))
+        .to_string()
+}
+
+/// A field that must be an unsigned integer (panics, showing the event, otherwise).
+pub fn u64_of(v: &Value, field: &str) -> u64 {
+    v[field]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no integer {field} in {v}"))
+}
+
+/// Environment of [`raw_child_client`]: the socket to connect to.
+const CHILD_SOCK: &str = "LOCKD_E2E_CHILD_SOCK";
+/// Environment of [`raw_child_client`]: the requests to send, one JSON object per line.
+const CHILD_REQS: &str = "LOCKD_E2E_CHILD_REQS";
+
+/// Not a test of its own: the body of a client *process* for the tests that SIGKILL a
+/// client (a writer dying before its commit, a quantity client crashing). Run by
+/// [`ChildClient::spawn`] as this test binary filtered to this test, it connects to
+/// `$LOCKD_E2E_CHILD_SOCK`, sends the lines of `$LOCKD_E2E_CHILD_REQS`, prints every line
+/// lockd sends on stdout, and lives until killed (at most 120 s). Without the variables it
+/// returns at once.
+#[test]
+fn raw_child_client() {
+    let (Ok(sock), Ok(reqs)) = (std::env::var(CHILD_SOCK), std::env::var(CHILD_REQS)) else {
+        return;
+    };
+    let s = UnixStream::connect(&sock).expect("child: connect");
+    let mut w = s.try_clone().expect("child: clone");
+    for line in reqs.lines() {
+        w.write_all(format!("{line}\n").as_bytes())
+            .expect("child: send");
+    }
+    s.set_read_timeout(Some(Duration::from_secs(120))).ok();
+    let mut r = BufReader::new(s);
+    let mut out = std::io::stdout();
+    loop {
+        let mut line = String::new();
+        match r.read_line(&mut line) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {
+                let _ = out.write_all(line.as_bytes());
+                let _ = out.flush();
+            }
+        }
+    }
+}
+
+/// A client process (this test binary running [`raw_child_client`]) that sends requests
+/// and prints lockd's lines; killed with its process group on drop.
+pub struct ChildClient {
+    /// The process (its own group).
+    pub group: Group,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl ChildClient {
+    /// Starts the child: it connects to `sock` and sends `reqs`.
+    pub fn spawn(sock: &Path, reqs: &[Value]) -> ChildClient {
+        let exe = std::env::current_exe().expect("current exe");
+        let mut c = Command::new(exe);
+        c.args([
+            "common::raw_child_client",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_SOCK, sock)
+        .env(
+            CHILD_REQS,
+            reqs.iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join("\n"),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+        let mut group = Group::spawn(&mut c);
+        let out = group.child.stdout.take().expect("piped stdout");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        ChildClient { group, lines }
+    }
+
+    /// The next event lockd sent the child that is named `event`; panics after `limit`.
+    pub fn until(&self, event: &str, limit: Duration) -> Value {
+        let end = Instant::now() + limit;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            let line = self
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("child: no {event} within {limit:?}"));
+            // The test harness prints its own lines too: only JSON objects are lockd's.
+            if !line.starts_with('{') {
+                continue;
+            }
+            let v: Value = serde_json::from_str(&line).expect("child line");
+            if v["event"] == event {
+                return v;
+            }
+            assert_ne!(v["event"], "error", "child got an error: {v}");
+        }
+    }
+
+    /// SIGKILLs the child's process group and reaps it.
+    pub fn kill(&mut self) {
+        self.group.kill_group();
+    }
+}
+
+/// A `lockd serve` for the protocol-2 tests, started from [`spec`] in its own process group
+/// (SIGKILLed on drop), logging to `DIR/lockd.log`. Readiness is a `ping` answered over a
+/// raw connection, not the typed `status` of [`Lockd`] (see [`Lockd2::start`]).
+pub struct Lockd2 {
+    spec: LockdSpec,
+    proc: Option<Group>,
+}
+
+impl Lockd2 {
+    /// Starts lockd in `dir` with `extra` flags and waits (10 s) until it answers `ping`.
+    /// [`Lockd::start`]/[`Lockd::restart`] wait for a *typed* `status`, which does not
+    /// decode while a version-2 lease is live (the duplicate keys of `LeaseReport`, a core
+    /// bug reported by `kinds_compat::typed_status_and_lease_reports_decode`), so they
+    /// would wait until every lease has ended.
+    pub fn start(dir: &Path, extra: &[&str]) -> Lockd2 {
+        let mut l = Lockd2 {
+            spec: spec(dir, extra),
+            proc: None,
+        };
+        l.restart();
+        l
+    }
+
+    /// SIGKILLs the running lockd (if any), starts a new one on the same socket and state
+    /// file and waits until it answers.
+    pub fn restart(&mut self) {
+        self.kill();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .expect("lockd log");
+        let mut c = self.spec.command(Path::new(BIN));
+        c.stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log);
+        let mut g = Group::spawn(&mut c);
+        let sock = self.socket().to_path_buf();
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(s) = UnixStream::connect(&sock) {
+                s.set_read_timeout(Some(Duration::from_secs(2))).ok();
+                let mut w = s.try_clone().expect("clone");
+                let _ = w.write_all(b"{\"op\":\"ping\"}\n");
+                let mut r = BufReader::new(s);
+                let mut ok = false;
+                for _ in 0..2 {
+                    let mut line = String::new();
+                    if r.read_line(&mut line).unwrap_or(0) == 0 {
+                        break;
+                    }
+                    ok |= line.contains("\"pong\"");
+                }
+                if ok {
+                    break;
+                }
+            }
+            assert!(
+                g.alive(),
+                "lockd exited at start:\n{}",
+                std::fs::read_to_string(self.log_path()).unwrap_or_default()
+            );
+            assert!(
+                Instant::now() < end,
+                "lockd not ready in 10 s:\n{}",
+                std::fs::read_to_string(self.log_path()).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.proc = Some(g);
+    }
+
+    /// SIGKILLs lockd's process group and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut g) = self.proc.take() {
+            g.kill_group();
+        }
+    }
+
+    /// lockd's pid.
+    pub fn pid(&self) -> Option<i32> {
+        self.proc.as_ref().map(Group::pid)
+    }
+
+    /// The Unix socket.
+    pub fn socket(&self) -> &Path {
+        self.spec.socket_path()
+    }
+
+    /// The log file (appended across restarts).
+    pub fn log_path(&self) -> PathBuf {
+        self.spec.dir().join("lockd.log")
+    }
+
+    /// A new raw connection.
+    pub fn raw(&self) -> Raw {
+        Raw::connect(self.socket())
+    }
+}
