@@ -146,22 +146,8 @@ impl Driver {
         let (back, _) = lockd::core::decode_state(json.as_bytes())
             .unwrap_or_else(|e| panic!("a snapshot does not decode: {e}: {json}"));
         let seed = 7 + u64::from(self.restarts);
-        self.core = match Core::new(cfg(), back.clone(), now, seed) {
-            Ok(core) => core,
-            // Known core bug, reported (kinds_quantity::
-            // quantity_offers_file_pool_taken_by_a_v1_lease_still_restarts): a withdrawn
-            // offers-file pool's name taken by another kind makes the restore refuse the
-            // offers file. Go on without the file so that the fuzzer looks further.
-            Err(e) if e.starts_with("offers file:") && e.contains("is in use as a") => {
-                let no_file = Config {
-                    offers: Vec::new(),
-                    ..cfg()
-                };
-                Core::new(no_file, back, now, seed)
-                    .unwrap_or_else(|e| panic!("a durable snapshot does not restore: {e}: {json}"))
-            }
-            Err(e) => panic!("a durable snapshot does not restore: {e}: {json}"),
-        };
+        self.core = Core::new(cfg(), back, now, seed)
+            .unwrap_or_else(|e| panic!("a durable snapshot does not restore: {e}: {json}"));
     }
 
     fn session(&mut self, slot: u8) -> u64 {

@@ -208,6 +208,13 @@ struct ServeArgs {
     /// Quantity leases: renewals never extend a lease past its first grant plus this.
     #[arg(long, env = "LOCKD_MAX_TOTAL_LEASE_TIME", default_value = "24h", value_parser = humantime::parse_duration)]
     max_total_lease_time: Duration,
+    /// Ended version-2 leases remembered (queryable by `lease`) at most this many; each is
+    /// part of every state write, so keep it modest.
+    #[arg(long, env = "LOCKD_MAX_TOMBSTONES", default_value_t = 1000)]
+    max_tombstones: usize,
+    /// ... and at most this long.
+    #[arg(long, env = "LOCKD_TOMBSTONE_AGE", default_value = "1h", value_parser = humantime::parse_duration)]
+    tombstone_age: Duration,
     /// Offers of quantity pools to set at startup (JSON, see PROTOCOL.md "Offers file").
     #[arg(long, env = "LOCKD_OFFERS")]
     offers: Option<PathBuf>,
@@ -586,6 +593,8 @@ async fn serve(a: ServeArgs) -> ExitCode {
         busy_poll: a.busy_poll,
         max_lease_time: a.max_lease_time,
         max_total_lease_time: a.max_total_lease_time,
+        max_tombstones: a.max_tombstones,
+        tombstone_max_age: a.tombstone_age,
         offers: match a.offers.as_deref().map(lockd::offers_file::load) {
             None => Vec::new(),
             Some(Ok(o)) => o,

@@ -61,6 +61,10 @@ pub struct ServeConfig {
     pub max_total_lease_time: Duration,
     /// Offers set at startup (`--offers FILE`): (pool, offer).
     pub offers: Vec<(String, crate::kinds::quantity::OfferSpec)>,
+    /// Ended version-2 leases remembered at most this many (`--max-tombstones`) ...
+    pub max_tombstones: usize,
+    /// ... and at most this long (`--tombstone-age`).
+    pub tombstone_max_age: Duration,
 }
 
 impl ServeConfig {
@@ -81,6 +85,8 @@ impl ServeConfig {
             max_lease_time: Config::default().max_lease_time,
             max_total_lease_time: Config::default().max_total_lease_time,
             offers: Vec::new(),
+            max_tombstones: Config::default().max_tombstones,
+            tombstone_max_age: Config::default().tombstone_max_age,
         }
     }
 }
@@ -799,13 +805,17 @@ impl Server {
                 max_lease_time: cfg.max_lease_time,
                 max_total_lease_time: cfg.max_total_lease_time,
                 offers: cfg.offers.clone(),
-                ..Config::default()
+                max_tombstones: cfg.max_tombstones,
+                tombstone_max_age: cfg.tombstone_max_age,
             },
             state,
             now(),
             seed,
         )
         .map_err(ServeError::Restore)?;
+        for w in core.boot_warnings() {
+            tracing::warn!("{w}");
+        }
         if !held.is_empty() {
             info!(resources = ?held, window_ms = cfg.reconnect_window.as_millis() as u64,
                 "persisted holders found: reconnect window open, granting nothing for them until it ends");

@@ -91,7 +91,7 @@ impl Default for Config {
             admin_token: None,
             max_lease_time: Duration::from_secs(3600),
             max_total_lease_time: Duration::from_secs(24 * 3600),
-            max_tombstones: 10_000,
+            max_tombstones: 1_000,
             tombstone_max_age: Duration::from_secs(3600),
             offers: Vec::new(),
         }
@@ -208,6 +208,8 @@ pub struct Core {
     /// Planted bugs, for the property test's proof that it catches them.
     #[cfg(test)]
     planted: Planted,
+    /// What the restore could not apply (offers-file entries), for the driver to log.
+    boot_warnings: Vec<String>,
     /// The restore changed the state (leases expired while lockd was down, offers from
     /// the offers file): the first step persists.
     boot_dirty: bool,
@@ -243,9 +245,11 @@ impl Core {
             };
             table.load(name, r.epoch, lease);
         }
+        // The core keeps the tombstones of every kind (`tombs`, persisted once); the TTL
+        // tables keep none of their own, so that nothing is written twice.
         let ttl_cfg = |exclusive_per_resource| crate::kinds::ttl::TtlConfig {
             exclusive_per_resource,
-            max_tombstones: cfg.max_tombstones,
+            max_tombstones: 0,
             tombstone_max_age: cfg.tombstone_max_age,
         };
         let (ttl, ttl_ended) = crate::kinds::ttl::TtlTable::restore(ttl_cfg(true), state.ttl, now)
@@ -309,6 +313,7 @@ impl Core {
             reservations: BTreeMap::new(),
             reservation_deadlines: BTreeSet::new(),
             boot_dirty: false,
+            boot_warnings: Vec::new(),
             #[cfg(test)]
             planted: Planted::default(),
             cfg,
@@ -340,8 +345,15 @@ impl Core {
             let _ = pool;
         }
         for (pool, spec) in core.cfg.offers.clone() {
-            core.set_offer(now, &pool, spec)
-                .map_err(|e| format!("offers file: pool {pool:?}: {e}"))?;
+            // A pool name the state already uses for another kind (its offers were withdrawn
+            // and a lease of another kind took the name before a crash) must not keep lockd
+            // down: the offer is skipped, and the driver logs why.
+            let name = spec.name.clone();
+            if let Err(e) = core.set_offer(now, &pool, spec) {
+                core.boot_warnings.push(format!(
+                    "offers file: pool {pool:?} offer {name:?} not set: {e}"
+                ));
+            }
         }
         core.boot_dirty = core.dirty;
         core.dirty = false;
@@ -360,6 +372,12 @@ impl Core {
         .into_iter()
         .flatten()
         .min()
+    }
+
+    /// What the restore could not apply (offers-file entries that conflict with the state),
+    /// for the driver to log once at start.
+    pub fn boot_warnings(&self) -> &[String] {
+        &self.boot_warnings
     }
 
     /// Counters so far.

@@ -320,7 +320,6 @@ fn quantity_persists_across_a_lockd_sigkill() {
 /// `LeaseFields::ttl_ms` says "the TTL / lease time in ms" and a TTL lease's grant shows the
 /// capped TTL. `expires_at_unix_ms` is right.
 #[test]
-#[ignore = "core bug: quantity `granted.ttl_ms` is the requested time, not the lease time"]
 fn quantity_granted_ttl_ms_is_the_lease_time() {
     let _process = shared();
     let d = tempfile::tempdir().unwrap();
@@ -337,7 +336,6 @@ fn quantity_granted_ttl_ms_is_the_lease_time() {
 /// lease`, exit 1) until someone edits the offers file: a SIGKILL alone must not keep lockd
 /// down. (Found by the `core_steps` fuzz driver's restore check.)
 #[test]
-#[ignore = "core bug: lockd cannot restart when an offers-file pool name is held by a v1 lease"]
 fn quantity_offers_file_pool_taken_by_a_v1_lease_still_restarts() {
     let _process = shared();
     let d = tempfile::tempdir().unwrap();

@@ -22,7 +22,7 @@ fn ttl_acquire_renew_expire_revoke_and_tombstones() {
     let mut a = Raw::connect(l.socket());
     assert_eq!(
         a.hello["features"],
-        json!(["ttl", "shared", "quantity"]),
+        json!(lockd::proto::FEATURES),
         "{}",
         a.hello
     );
