@@ -28,30 +28,51 @@
 //!
 //! # Algorithm and cost
 //!
-//! The graph keeps its **condensation** (one component per SCC) in a topological order, and
-//! maintains it under edge insertions with **Pearce–Kelly**'s dynamic topological sort
+//! The graph keeps its **condensation** (one component per SCC) in a topological order: an
+//! integer key per component, every edge between two components going from a smaller key to
+//! a larger one. Insertions maintain it with **Pearce–Kelly**'s dynamic topological sort
 //! (D. J. Pearce, P. H. J. Kelly, "A dynamic topological sort algorithm for directed acyclic
-//! graphs", ACM Journal of Experimental Algorithmics 11, 2006, article 1.7), extended to
-//! cycles by merging the components a new edge puts on a cycle, the way Pearce's thesis and
-//! Haeupler et al. ("Incremental cycle detection, topological ordering, and strong component
-//! maintenance", ACM TALG 8(1), 2012, §5) maintain strong components. So the structure stays
-//! correct while cycles exist: a deadlock that nobody breaks is simply one component.
+//! graphs", ACM Journal of Experimental Algorithmics 11, 2006, article 1.7): only the
+//! *affected region* between the new edge's ends is searched. Two refinements: the region is
+//! searched **two ways at once**, forward and backward, one component per step each, and
+//! only the side exhausted first is moved (the two-way search of Haeupler, Kavitha, Mathew,
+//! Sen and Tarjan, "Incremental cycle detection, topological ordering, and strong component
+//! maintenance", ACM Transactions on Algorithms 8(1), 2012); and a new edge that closes a
+//! cycle **merges** the components on it into one (strong component maintenance, ibid.,
+//! and Pearce's thesis), so the structure stays correct while cycles exist: a deadlock that
+//! nobody breaks is simply one component.
 //!
 //! * **`add_edge(w, h)`**, components `W ∋ w`, `H ∋ h`. If the edge already existed (its
-//!   count above one), or `key(W) < key(H)`, nothing moves: O(1) expected. Otherwise let the *affected
-//!   region* be the components whose key lies in `[key(H), key(W)]`. A forward DFS from `H`
-//!   over components with key ≤ key(W) gives `F`, a backward DFS from `W` over components
-//!   with key ≥ key(H) gives `B`. If `W ∈ F` the edge closed a cycle and the new SCC is
-//!   exactly `S = F ∩ B` (every node on a path `h →* w`); the components of `S` are merged
-//!   into one. The keys of `F ∪ B` are then redistributed: `B \ S` first, then `S`, then
-//!   `F \ S` (each in its old relative order), which restores a topological order — no
-//!   edge can go from `F \ S` or `S` back into `B \ S`, nor from `F \ S` into `S`, since its
-//!   tail would then be in `B` too. Cost: O(‖δ‖ + |δ| log n), where `δ = F ∪ B` are the
-//!   components visited, `‖δ‖` counts their members' edges, and the `log n` is the sort and the
-//!   ordered map of keys. That is Pearce–Kelly's bound: linear in the part of the graph the
-//!   insertion reorders (it never looks outside the affected region), not in the graph.
-//!   When a cycle is closed, the cycle returned is a shortest path `h →* w` inside the new
-//!   component, found by a BFS over it: O(size of the new deadlock).
+//!   count was above zero), or `key(W) < key(H)`, nothing moves: O(1) expected. Otherwise
+//!   the affected region is the components with keys in `[key(H), key(W)]`: `F`, those `H`
+//!   reaches inside it, and `B`, those that reach `W` inside it. A forward search from `H`
+//!   (keys ≤ key(W)) and a backward search from `W` (keys ≥ key(H)) alternate until one
+//!   is exhausted.
+//!   * `F` complete first: the edge closed a cycle iff `W ∈ F`; the new SCC `S` is then the
+//!     part of `F` that reaches `W` (a backward search restricted to `F`), merged into one
+//!     component at `W`'s key, and `F \ S` moves, in its old relative order, to fresh keys
+//!     right after it. Without a cycle, all of `F` moves right after `W`.
+//!   * `B` complete first: symmetrically, a cycle iff `H ∈ B`, `S` = the part of `B` that
+//!     `H` reaches, merged at `H`'s key, and `B \ S` (or all of `B`) moves right before it.
+//!
+//!   Why this is a topological order again: a successor of a node moved after `W` is either
+//!   in `F` (moved too, order kept) or outside the window (key above `W`'s, hence above the
+//!   fresh keys, which lie between `W` and its old successor key); its predecessors are in
+//!   `F`, are `W`/`S`, or had smaller keys already. A successor of a member of `S` outside
+//!   `S` is in `F \ S` (moved after) or beyond the window; a predecessor outside `S` that is
+//!   in the window reaches `W`, so it is in `B` and not in `F` (else it would be in `S`),
+//!   and stays below. The backward case is the mirror image. The random-history property
+//!   test checks the order after every step.
+//!
+//!   **Cost**: O(min(‖F‖, ‖B‖)) for the search, where ‖X‖ counts the sessions of `X` and
+//!   their edges (the two searches advance in step, one component each, so the larger side
+//!   visits at most one component more than the smaller), plus the restricted search of `S` inside the
+//!   exhausted side, plus O(log n) amortized per moved component for its fresh key (below).
+//!   It never looks outside the affected region, and usually at a small part of it: linear in
+//!   the part of the graph the insertion reorders, not in the graph. When a cycle is closed,
+//!   the cycle returned is a shortest path `h →* w` inside the new component (BFS): O(size of
+//!   the new deadlock). [`WaitForGraph::last_work`] reports the sessions an insertion
+//!   visited.
 //! * **`remove_edge(w, h)`**: a count above one is decremented, O(1). An edge between two
 //!   components leaves the order valid, O(1). An edge inside a deadlock may split it:
 //!   Tarjan's SCC algorithm (R. E. Tarjan, "Depth-first search and linear graph algorithms",
@@ -63,7 +84,8 @@
 //! * **Keys** are integers below 2^62 kept in an ordered map. A new session takes a key before
 //!   every other when it enters as a waiter (nobody waits for it yet) and after every other
 //!   when it enters as a holder, with a wide gap, so an edge with a new end never reorders
-//!   anything; the pieces of a split need fresh keys between two neighbours, given by the
+//!   anything; the components an insertion moves and the pieces of a split need fresh keys
+//!   between two neighbours, given by the
 //!   order-maintenance scheme of Bender, Cole, Demaine, Farach-Colton and Zito ("Two
 //!   simplified algorithms for maintaining order in a list", ESA 2002): take the midpoint of
 //!   the gap, and when there is none, relabel evenly the smallest aligned block of keys
@@ -72,8 +94,8 @@
 //!   [`WaitForGraph::deadlocks`]: O(size of the deadlocked part), the rest of the graph is
 //!   never read.
 //!
-//! The benchmark `lockd/benches/waitfor_bench.rs` measures it at 10,000 sessions against
-//! Tarjan from scratch on every new edge.
+//! The benchmark `lockd/benches/waitfor_bench.rs` measures it at 10,000 sessions, side by
+//! side with Tarjan's algorithm run from scratch on the whole graph.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -151,6 +173,32 @@ struct Comp {
     bmark: u64,
     /// False for a free slot.
     live: bool,
+}
+
+/// A depth-first search over components, stepped one component at a time.
+#[derive(Debug)]
+struct Search {
+    stack: Vec<Cx>,
+    seen: Vec<Cx>,
+    /// Forward: only components with key ≤ bound; backward: key ≥ bound.
+    bound: u64,
+    stamp: u64,
+    forward: bool,
+    /// Only components whose other-side mark is this.
+    within: Option<u64>,
+}
+
+impl Search {
+    fn new(start: Cx, bound: u64, stamp: u64, forward: bool, within: Option<u64>) -> Self {
+        Search {
+            stack: vec![start],
+            seen: Vec::new(),
+            bound,
+            stamp,
+            forward,
+            within,
+        }
+    }
 }
 
 /// A bug planted on purpose (test builds only), to show that the property test catches it.
@@ -316,75 +364,96 @@ impl WaitForGraph {
             return None;
         }
 
-        // Pearce–Kelly: the affected region is [key(H), key(W)].
+        // The affected region is [key(H), key(W)]: search it two ways at once, forward
+        // from H and backward from W, until one side is exhausted.
         self.stamp += 1;
         let stamp = self.stamp;
-        let forward = self.search(ch, upper, stamp, true);
-        let closed = self.comps[cw as usize].fmark == stamp;
-        let backward = self.search(cw, lower, stamp, false);
-        self.last_work = forward
+        let mut fwd = Search::new(ch, upper, stamp, true, None);
+        let mut bwd = Search::new(cw, lower, stamp, false, None);
+        self.mark(ch, stamp, true);
+        self.mark(cw, stamp, false);
+        let mut buf = Vec::new();
+        let forward_done = loop {
+            if !self.step(&mut fwd, &mut buf) {
+                break true;
+            }
+            if !self.step(&mut bwd, &mut buf) {
+                break false;
+            }
+        };
+        let mut work: usize = fwd
+            .seen
             .iter()
-            .chain(backward.iter())
+            .chain(bwd.seen.iter())
             .map(|&c| self.comps[c as usize].members.len())
             .sum();
 
-        let mut pool: Vec<u64> = forward
-            .iter()
-            .chain(
-                backward
-                    .iter()
-                    .filter(|&&c| self.comps[c as usize].fmark != stamp),
-            )
-            .map(|&c| self.comps[c as usize].key)
-            .collect();
-        pool.sort_unstable();
-
-        if !closed {
-            // F and B are disjoint: B first, then F, each in its old order.
-            let mut moved = backward;
-            self.sort_by_key(&mut moved);
-            let mut f = forward;
+        let merged = if forward_done {
+            // F is complete. A cycle iff W ∈ F; then S = the part of F that reaches W.
+            let mut f = fwd.seen;
+            let closed = self.comps[cw as usize].fmark == stamp;
+            let s_parts = if closed {
+                self.stamp += 1;
+                let within = self.run(Search::new(cw, lower, self.stamp, false, Some(stamp)));
+                work += within.len();
+                let s2 = self.stamp;
+                f.retain(|&c| self.comps[c as usize].bmark != s2);
+                within
+            } else {
+                Vec::new()
+            };
+            // S (merged) keeps W's key; F \ S moves right after it, in its old order.
             self.sort_by_key(&mut f);
-            moved.extend(f);
-            for (&c, &k) in moved.iter().zip(pool.iter()) {
-                self.comps[c as usize].key = k;
-                self.order.insert(k, c);
+            for &c in f.iter().chain(s_parts.iter()) {
+                let k = self.comps[c as usize].key;
+                self.order.remove(&k);
             }
-            return None;
-        }
-
-        // The new SCC is S = F ∩ B; the order becomes B \ S, S, F \ S.
-        let in_s = |g: &Self, c: Cx| {
-            let comp = &g.comps[c as usize];
-            comp.fmark == stamp && comp.bmark == stamp
+            let merged = (!s_parts.is_empty()).then(|| {
+                let m = self.merge(&s_parts);
+                self.set_key_unmapped(m, upper);
+                m
+            });
+            let mut prev = upper;
+            for c in f {
+                self.insert_after(prev, c);
+                prev = self.comps[c as usize].key;
+            }
+            merged
+        } else {
+            // B is complete. A cycle iff H ∈ B; then S = the part of B that H reaches.
+            let mut b = bwd.seen;
+            let closed = self.comps[ch as usize].bmark == stamp;
+            let s_parts = if closed {
+                self.stamp += 1;
+                let within = self.run(Search::new(ch, upper, self.stamp, true, Some(stamp)));
+                work += within.len();
+                let s2 = self.stamp;
+                b.retain(|&c| self.comps[c as usize].fmark != s2);
+                within
+            } else {
+                Vec::new()
+            };
+            // S (merged) keeps H's key; B \ S moves right before it, in its old order.
+            self.sort_by_key(&mut b);
+            for &c in b.iter().chain(s_parts.iter()) {
+                let k = self.comps[c as usize].key;
+                self.order.remove(&k);
+            }
+            let merged = (!s_parts.is_empty()).then(|| {
+                let m = self.merge(&s_parts);
+                self.set_key_unmapped(m, lower);
+                m
+            });
+            // S (or H, unmoved when no cycle) has key `lower`.
+            let mut next = lower;
+            for c in b.into_iter().rev() {
+                self.insert_before(next, c);
+                next = self.comps[c as usize].key;
+            }
+            merged
         };
-        let mut before: Vec<Cx> = backward
-            .iter()
-            .copied()
-            .filter(|&c| !in_s(self, c))
-            .collect();
-        let mut after: Vec<Cx> = forward
-            .iter()
-            .copied()
-            .filter(|&c| !in_s(self, c))
-            .collect();
-        let merged: Vec<Cx> = forward.iter().copied().filter(|&c| in_s(self, c)).collect();
-        self.sort_by_key(&mut before);
-        self.sort_by_key(&mut after);
-        for &k in &pool {
-            self.order.remove(&k);
-        }
-        let s = self.merge(&merged);
-        let mut slot = 0;
-        for &c in &before {
-            self.set_key_unmapped(c, pool[slot]);
-            slot += 1;
-        }
-        self.set_key_unmapped(s, pool[slot]);
-        let first_after = pool.len() - after.len();
-        for (i, &c) in after.iter().enumerate() {
-            self.set_key_unmapped(c, pool[first_after + i]);
-        }
+        self.last_work = work;
+        let s = merged?;
         self.note_size(s);
         if !self.reported(s) {
             return None;
@@ -660,40 +729,48 @@ impl WaitForGraph {
         cs.sort_unstable_by_key(|&c| self.comps[c as usize].key);
     }
 
-    /// Depth-first search over components from `start`, forward (successors with key ≤
-    /// `bound`) or backward (predecessors with key ≥ `bound`), marking what it visits with
-    /// `stamp`. Returns the components visited.
-    fn search(&mut self, start: Cx, bound: u64, stamp: u64, forward: bool) -> Vec<Cx> {
-        let mut seen = Vec::new();
-        let mut stack = vec![start];
-        let mut next: Vec<Cx> = Vec::new();
-        self.mark(start, stamp, forward);
-        while let Some(c) = stack.pop() {
-            seen.push(c);
-            for k in 0..self.comps[c as usize].members.len() {
-                let m = self.comps[c as usize].members[k] as usize;
-                let node = &self.nodes[m];
-                next.clear();
-                if forward {
-                    next.extend(node.out.keys().map(|&s| self.nodes[s as usize].comp));
+    /// One step of a depth-first search over components: pops one and pushes its
+    /// unvisited neighbours inside the window (and inside the other side's `within` marks,
+    /// if any). False when the search is exhausted.
+    fn step(&mut self, st: &mut Search, buf: &mut Vec<Cx>) -> bool {
+        let Some(c) = st.stack.pop() else {
+            return false;
+        };
+        st.seen.push(c);
+        for k in 0..self.comps[c as usize].members.len() {
+            let m = self.comps[c as usize].members[k] as usize;
+            let node = &self.nodes[m];
+            buf.clear();
+            if st.forward {
+                buf.extend(node.out.keys().map(|&s| self.nodes[s as usize].comp));
+            } else {
+                buf.extend(node.inn.iter().map(|&p| self.nodes[p as usize].comp));
+            }
+            for &d in buf.iter() {
+                let comp = &self.comps[d as usize];
+                let (marked, inside, other) = if st.forward {
+                    (comp.fmark == st.stamp, comp.key <= st.bound, comp.bmark)
                 } else {
-                    next.extend(node.inn.iter().map(|&p| self.nodes[p as usize].comp));
-                }
-                for &d in &next {
-                    let comp = &self.comps[d as usize];
-                    let (marked, inside) = if forward {
-                        (comp.fmark == stamp, comp.key <= bound)
-                    } else {
-                        (comp.bmark == stamp, comp.key >= bound)
-                    };
-                    if d != c && !marked && inside {
-                        self.mark(d, stamp, forward);
-                        stack.push(d);
-                    }
+                    (comp.bmark == st.stamp, comp.key >= st.bound, comp.fmark)
+                };
+                let allowed = st.within.is_none_or(|w| other == w);
+                if d != c && !marked && inside && allowed {
+                    self.mark(d, st.stamp, st.forward);
+                    st.stack.push(d);
                 }
             }
         }
-        seen
+        true
+    }
+
+    /// Runs a search to the end; returns the components visited.
+    fn run(&mut self, mut st: Search) -> Vec<Cx> {
+        if let Some(&start) = st.stack.first() {
+            self.mark(start, st.stamp, st.forward);
+        }
+        let mut buf = Vec::new();
+        while self.step(&mut st, &mut buf) {}
+        st.seen
     }
 
     fn mark(&mut self, c: Cx, stamp: u64, forward: bool) {
@@ -817,6 +894,15 @@ impl WaitForGraph {
                 return;
             }
             i += 1;
+        }
+    }
+
+    /// Gives component `c` (not in the order) a key right before `before` (a key in the
+    /// order).
+    fn insert_before(&mut self, before: u64, c: Cx) {
+        match self.order.range(..before).next_back().map(|(&k, _)| k) {
+            Some(prev) => self.insert_after(prev, c),
+            None => self.prepend(c),
         }
     }
 

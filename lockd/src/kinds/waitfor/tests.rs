@@ -164,6 +164,37 @@ fn a_chain_inserted_backwards_is_reordered_not_a_cycle() {
 }
 
 #[test]
+fn the_search_stops_at_the_smaller_side() {
+    // H = 0 heads a chain of 1,000 inside the window, W = 5,000 has no waiter inside it:
+    // the backward side is exhausted at once and only W moves.
+    let mut g = WaitForGraph::new();
+    for i in 0..1_000 {
+        g.add_edge(i, i + 1);
+    }
+    g.add_edge(4_000, 5_000);
+    assert_eq!(g.add_edge(5_000, 0), None);
+    assert!(g.last_work() <= 4, "visited {}", g.last_work());
+    g.check_invariants().unwrap();
+    // The mirror image: W = 2,000 is waited for by a chain of 1,000 inside the window, H =
+    // 3,000 waits for nobody: the forward side is exhausted at once.
+    let mut g = WaitForGraph::new();
+    g.add_edge(3_000, 3_001);
+    for i in 0..1_000 {
+        g.add_edge(1_000 + i, 1_000 + i + 1);
+    }
+    g.add_edge(2_000, 2_001);
+    assert_eq!(g.add_edge(2_000, 3_000), None, "3,000 does not reach 2,000");
+    g.check_invariants().unwrap();
+    let mut g2 = g.clone();
+    // Closing cycles from both sides: through the small side, then through the big one.
+    assert_eq!(g.add_edge(3_000, 2_000).map(|c| c.len()), Some(2));
+    g.check_invariants().unwrap();
+    assert_eq!(g2.add_edge(2_001, 1_000).map(|c| c.len()), Some(1_002));
+    g2.check_invariants().unwrap();
+    assert_eq!(g2.deadlocked_session_count(), 1_002);
+}
+
+#[test]
 fn removing_an_edge_breaks_the_cycle() {
     let mut g = WaitForGraph::new();
     g.add_edge(1, 2);
