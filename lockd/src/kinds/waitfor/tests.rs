@@ -85,25 +85,43 @@ fn a_fifty_cycle_is_found_exactly_in_wait_order() {
     g.check_invariants().unwrap();
 }
 
+/// Sessions 0..n all waiting for a hub first: new waiters go first in the order, so session
+/// `i` ends up *after* session `i + 1`, and every chain edge `i → i + 1` added next
+/// contradicts the order and makes it reorder.
+fn against_the_order(n: u64, hub: u64) -> WaitForGraph {
+    let mut g = WaitForGraph::new();
+    for i in 0..n {
+        assert_eq!(g.add_edge(i, hub), None);
+    }
+    let mut work = 0;
+    for i in 0..n - 1 {
+        assert_eq!(g.add_edge(i, i + 1), None, "chain edge {i}");
+        work += g.last_work();
+    }
+    assert!(
+        work >= n as usize,
+        "the chain edges reordered (visited {work})"
+    );
+    g.check_invariants().unwrap();
+    g
+}
+
 #[test]
 fn a_fifty_cycle_inserted_against_the_order_is_found() {
-    // Edges inserted so that nearly every one contradicts the current order (the sessions
-    // are created in reverse): Pearce–Kelly reorders on each.
-    let mut g = WaitForGraph::new();
-    for i in (0..49u64).rev() {
-        assert_eq!(g.add_edge(100 - i, 100 - i - 1), None);
-    }
-    g.check_invariants().unwrap();
+    let mut g = against_the_order(50, 1_000);
+    assert_eq!(g.deadlock_count(), 0);
     let cycle = g
-        .add_edge(51, 100)
+        .add_edge(49, 0)
         .expect("the closing edge closes the 50-cycle");
-    assert_eq!(cycle.len(), 50);
-    assert_eq!(cycle[..2], [51, 100]);
+    let expected: Vec<u64> = std::iter::once(49).chain(0..49).collect();
+    assert_eq!(cycle, expected);
     assert!(is_cycle_of(&cycle, graph_edge(&g)));
+    // The hub that every member waits for is not on the cycle.
     assert_eq!(
         components(&g),
-        BTreeSet::from([(51..=100).collect::<BTreeSet<u64>>()])
+        BTreeSet::from([(0..50).collect::<BTreeSet<u64>>()])
     );
+    assert!(!g.is_deadlocked(1_000));
     g.check_invariants().unwrap();
 }
 
@@ -150,17 +168,13 @@ fn a_chain_of_ten_thousand_is_no_cycle_until_closed() {
 }
 
 #[test]
-fn a_chain_inserted_backwards_is_reordered_not_a_cycle() {
-    // Every insertion contradicts the order of creation: the reordering must not invent a
-    // cycle.
+fn a_chain_inserted_against_the_order_is_reordered_not_a_cycle() {
+    // Every chain edge contradicts the order: the reordering must not invent a cycle.
     let n = 2_000u64;
-    let mut g = WaitForGraph::new();
-    for i in (0..n - 1).rev() {
-        assert_eq!(g.add_edge(i, i + 1), None, "edge {i}");
-    }
-    g.check_invariants().unwrap();
+    let mut g = against_the_order(n, 1_000_000);
     assert_eq!(g.deadlock_count(), 0);
     assert_eq!(g.add_edge(n - 1, 0).map(|c| c.len()), Some(n as usize));
+    g.check_invariants().unwrap();
 }
 
 #[test]
