@@ -11,8 +11,12 @@
 //!   grants from one or several offers matched both ways, lease time = min(offer, request,
 //!   manager), a maximum total lease time, non-renewal after shrinking offers, resume by
 //!   `(lease id, token)`, persisted records with wall-clock expiries.
+//! * [`waitfor`]: the wait-for graph of sessions (issue 12): exact, incremental deadlock
+//!   detection (cycles of any length) with Pearce–Kelly's dynamic topological order over the
+//!   strongly connected components, and the victim choice that breaks a cycle.
 
 pub mod quantity;
 pub mod selector;
 pub mod shared;
 pub mod ttl;
+pub mod waitfor;
