@@ -208,6 +208,9 @@ struct ServeArgs {
     /// Quantity leases: renewals never extend a lease past its first grant plus this.
     #[arg(long, env = "LOCKD_MAX_TOTAL_LEASE_TIME", default_value = "24h", value_parser = humantime::parse_duration)]
     max_total_lease_time: Duration,
+    /// Revoke the youngest lease of every wait-for cycle of sessions (reason `deadlock`).
+    #[arg(long, env = "LOCKD_BREAK_DEADLOCKS", value_parser = clap::builder::BoolishValueParser::new())]
+    break_deadlocks: bool,
     /// Ended version-2 leases remembered (queryable by `lease`) at most this many; each is
     /// part of every state write, so keep it modest.
     #[arg(long, env = "LOCKD_MAX_TOMBSTONES", default_value_t = 1000)]
@@ -594,6 +597,7 @@ async fn serve(a: ServeArgs) -> ExitCode {
         max_lease_time: a.max_lease_time,
         max_total_lease_time: a.max_total_lease_time,
         max_tombstones: a.max_tombstones,
+        break_deadlocks: a.break_deadlocks,
         tombstone_max_age: a.tombstone_age,
         offers: match a.offers.as_deref().map(lockd::offers_file::load) {
             None => Vec::new(),

@@ -83,7 +83,7 @@ pub struct Metrics {
     /// Reads that found their bytes while lockd was busy-polling (wakeups saved).
     pub busy_poll_hits: Counter,
     /// Copies of the core's [`Counters`]: grants, releases, expirations, revocations, reclaims.
-    core: [Counter; 5],
+    core: [Counter; 7],
     /// Connected sessions.
     sessions: Gauge,
     /// Queued acquires per resource.
@@ -103,7 +103,7 @@ fn counter_name(exposed: &'static str) -> &'static str {
 }
 
 /// The core's counters: exposed name, help.
-const CORE_COUNTERS: [(&str, &str); 5] = [
+const CORE_COUNTERS: [(&str, &str); 7] = [
     ("lockd_grants_total", "Leases granted with a new epoch."),
     (
         "lockd_releases_total",
@@ -117,6 +117,14 @@ const CORE_COUNTERS: [(&str, &str); 5] = [
     (
         "lockd_reclaims_total",
         "Leases reclaimed after a reconnect.",
+    ),
+    (
+        "lockd_deadlocks_total",
+        "Wait-for cycles of sessions found (deadlocks).",
+    ),
+    (
+        "lockd_deadlock_breaks_total",
+        "Leases revoked by lockd to break a deadlock (--break-deadlocks).",
     ),
 ];
 
@@ -218,6 +226,8 @@ pub fn render(
         c.expirations,
         c.revocations,
         c.reclaims,
+        c.deadlocks,
+        c.deadlock_breaks,
     ];
     for (counter, v) in m.core.iter().zip(core) {
         // The core's counters only grow: storing keeps the counter monotonic.
@@ -381,6 +391,7 @@ mod tests {
             expirations: 3,
             revocations: 4,
             reclaims: 5,
+            ..Counters::default()
         }
     }
 
@@ -395,6 +406,8 @@ mod tests {
             ("lockd_expirations_total", 3.0),
             ("lockd_revocations_total", 4.0),
             ("lockd_reclaims_total", 5.0),
+            ("lockd_deadlocks_total", 0.0),
+            ("lockd_deadlock_breaks_total", 0.0),
             ("lockd_connections_total", 0.0),
             ("lockd_bad_requests_total", 0.0),
             ("lockd_busy_poll_hits_total", 0.0),
@@ -413,7 +426,7 @@ mod tests {
         // Every sample belongs to a documented family; nothing else is exposed.
         let names: std::collections::BTreeSet<String> =
             samples(&text).into_iter().map(|s| s.name).collect();
-        assert_eq!(names.len(), 18, "{names:?}");
+        assert_eq!(names.len(), 20, "{names:?}");
         assert!(text.contains("# TYPE lockd_grants counter\n"), "{text}");
         assert!(text.contains("# TYPE lockd_waiters gauge\n"), "{text}");
         assert!(

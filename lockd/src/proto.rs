@@ -677,6 +677,9 @@ pub enum NoticeKind {
     Revoked,
     /// Version 2: an exclusive holder committed a new version of a shared resource.
     Committed,
+    /// Version 2: sessions wait for each other in a cycle (`reason` lists them and the
+    /// resources); `session` is one of them.
+    Deadlock,
 }
 
 /// One lease change, as streamed to watchers and logged.
@@ -831,6 +834,27 @@ pub struct Counters {
     /// Leases taken back after a reconnect (same epoch).
     #[serde(default)]
     pub reclaims: u64,
+    /// Version 2: wait-for cycles found (omitted while 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub deadlocks: u64,
+    /// Version 2: leases lockd revoked to break a deadlock (`--break-deadlocks`; also counted
+    /// in `revocations`; omitted while 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub deadlock_breaks: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// A wait-for cycle, as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadlockReport {
+    /// The sessions, each waiting for a resource the next one holds (the last for the
+    /// first's).
+    pub sessions: Vec<u64>,
+    /// The resources they wait for, in the same order.
+    pub resources: Vec<String>,
 }
 
 /// The `status` answer (printed by `lockd status`).
@@ -853,6 +877,9 @@ pub struct StatusReport {
     /// Version 2: quantity pools (omitted when there are none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pools: Vec<PoolReport>,
+    /// Version 2: the wait-for cycles that exist now (omitted when none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deadlocks: Vec<DeadlockReport>,
     /// Version 2: counters of each lease kind other than `exclusive` that has been used.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub counters_by_kind: BTreeMap<LeaseKind, KindCounters>,
@@ -1339,6 +1366,7 @@ mod tests {
                 leases: vec![],
                 pools: vec![],
                 counters_by_kind: BTreeMap::new(),
+                deadlocks: vec![],
             })
             .encode();
             assert!(status.contains(&format!(r#""state":"{wire}""#)), "{status}");
@@ -1382,6 +1410,7 @@ mod tests {
                 leases: vec![],
                 pools: vec![],
                 counters_by_kind: BTreeMap::new(),
+                deadlocks: vec![],
             }),
         ];
         for e in evs {

@@ -61,6 +61,8 @@ pub struct ServeConfig {
     pub max_total_lease_time: Duration,
     /// Offers set at startup (`--offers FILE`): (pool, offer).
     pub offers: Vec<(String, crate::kinds::quantity::OfferSpec)>,
+    /// Revoke the youngest lease of every wait-for cycle (`--break-deadlocks`).
+    pub break_deadlocks: bool,
     /// Ended version-2 leases remembered at most this many (`--max-tombstones`) ...
     pub max_tombstones: usize,
     /// ... and at most this long (`--tombstone-age`).
@@ -87,6 +89,7 @@ impl ServeConfig {
             offers: Vec::new(),
             max_tombstones: Config::default().max_tombstones,
             tombstone_max_age: Config::default().tombstone_max_age,
+            break_deadlocks: false,
         }
     }
 }
@@ -318,6 +321,7 @@ impl Driver {
                         NoticeKind::Expired => "lease expired",
                         NoticeKind::Revoked => "lease revoked",
                         NoticeKind::Committed => "version committed",
+                        NoticeKind::Deadlock => "deadlock",
                     };
                     info!(
                         resource = %notice.resource,
@@ -807,6 +811,7 @@ impl Server {
                 offers: cfg.offers.clone(),
                 max_tombstones: cfg.max_tombstones,
                 tombstone_max_age: cfg.tombstone_max_age,
+                break_deadlocks: cfg.break_deadlocks,
             },
             state,
             now(),

@@ -58,6 +58,7 @@ impl Core {
                     reserve_ms,
                 },
             );
+            self.table.touch(&resource);
             if let Some(sess) = self.sessions.get_mut(&s) {
                 sess.waits.insert(resource.clone());
             }
@@ -268,6 +269,7 @@ impl Core {
             .get_mut(&resource)
             .and_then(|r| r.waiters.remove_session(s))
             .is_some();
+        self.table.touch(&resource);
         if queued {
             if let Some(sess) = self.sessions.get_mut(&s) {
                 sess.waits.remove(&resource);

@@ -128,6 +128,7 @@ impl Core {
         let t = self.table.next_ticket();
         let mut position = 0;
         for m in &members {
+            self.table.touch(m);
             let res = self.table.entry(m);
             position = position.max(res.waiters.push(
                 t,
@@ -268,6 +269,7 @@ impl Core {
                 if let Some(r) = self.table.resources.get_mut(m) {
                     r.waiters.remove_session(g.session);
                 }
+                self.table.touch(m);
             }
             if let Some(s) = answer {
                 self.send(s, Event::Cancelled { resource: g.label });

@@ -19,6 +19,7 @@
 //!   migration from older versions;
 //! * `status`: the `status` report and the figures metrics read.
 
+mod deadlock;
 mod exclusive;
 mod gang;
 #[cfg(test)]
@@ -82,6 +83,8 @@ pub struct Config {
     pub tombstone_max_age: Duration,
     /// Offers from the offers file (`--offers FILE`): (pool, offer), set at startup.
     pub offers: Vec<(String, crate::kinds::quantity::OfferSpec)>,
+    /// Revoke the youngest lease of every wait-for cycle found (`--break-deadlocks`).
+    pub break_deadlocks: bool,
 }
 
 impl Default for Config {
@@ -94,6 +97,7 @@ impl Default for Config {
             max_tombstones: 1_000,
             tombstone_max_age: Duration::from_secs(3600),
             offers: Vec::new(),
+            break_deadlocks: false,
         }
     }
 }
@@ -199,6 +203,10 @@ pub struct Core {
     reservations: BTreeMap<String, (Instant, u64)>,
     /// Their deadlines.
     reservation_deadlines: BTreeSet<(Instant, String)>,
+    /// The wait-for graph of sessions (exclusive leases and gangs).
+    waitfor: crate::kinds::waitfor::WaitForGraph,
+    /// The wait edges each resource contributes to it.
+    res_edges: BTreeMap<String, Vec<(u64, u64)>>,
     /// Gangs granted or waiting, by gang id.
     gangs: BTreeMap<u64, gang::Gang>,
     /// Deadlines of waiting gangs with a timeout: (deadline, gang id).
@@ -310,6 +318,8 @@ impl Core {
             counters_by_kind: state.counters_by_kind,
             gangs: BTreeMap::new(),
             gang_deadlines: BTreeSet::new(),
+            waitfor: crate::kinds::waitfor::WaitForGraph::new(),
+            res_edges: BTreeMap::new(),
             reservations: BTreeMap::new(),
             reservation_deadlines: BTreeSet::new(),
             boot_dirty: false,
@@ -438,6 +448,7 @@ impl Core {
                 }
             }
         }
+        self.deadlock_pass(now);
         let mut out = Vec::new();
         if self.dirty {
             self.seq_requested += 1;

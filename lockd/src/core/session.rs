@@ -97,6 +97,7 @@ impl Core {
                 if let Some(res) = self.table.resources.get_mut(r) {
                     res.waiters.remove_session(s);
                 }
+                self.table.touch(r);
             }
             self.withdraw_waiting(now, &leases);
             let waiting: Vec<u64> = gangs
@@ -137,6 +138,7 @@ impl Core {
             if let Some(res) = self.table.resources.get_mut(r) {
                 res.waiters.remove_session(s);
             }
+            self.table.touch(r);
         }
         for r in &sess.holds {
             // Only what is still this session's (a gang's end above may have handed its

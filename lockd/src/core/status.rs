@@ -85,6 +85,7 @@ impl Core {
             session_count: (!with_sessions).then_some(self.sessions.len()),
             leases: self.lease_reports(now, None, None),
             pools: self.pool_reports(),
+            deadlocks: self.deadlock_reports(),
             counters_by_kind: self.counters_by_kind.clone(),
         }
     }

@@ -195,6 +195,9 @@ pub(super) struct Table {
     by_holder: BTreeMap<String, BTreeSet<String>>,
     /// Reconnect-window deadlines of reclaiming leases: (deadline, resource).
     deadlines: BTreeSet<(Instant, String)>,
+    /// Resources whose holder or waiters changed since the core last looked (the wait-for
+    /// graph is updated from them at the end of each step).
+    pub touched: BTreeSet<String>,
 }
 
 impl Table {
@@ -215,6 +218,13 @@ impl Table {
         self.set_lease(&name, lease);
     }
 
+    /// Note that the waiters of `name` changed.
+    pub fn touch(&mut self, name: &str) {
+        if !self.touched.contains(name) {
+            self.touched.insert(name.to_string());
+        }
+    }
+
     /// A fresh waiter ticket, larger than every one before.
     pub fn next_ticket(&mut self) -> u64 {
         self.tickets += 1;
@@ -231,6 +241,9 @@ impl Table {
     /// previous one (None if the resource is unknown).
     pub fn set_lease(&mut self, name: &str, new: LeaseState) -> Option<LeaseState> {
         let res = self.resources.get_mut(name)?;
+        if !self.touched.contains(name) {
+            self.touched.insert(name.to_string());
+        }
         let old = std::mem::replace(&mut res.lease, new);
         if let Some((id, holder)) = old.ident() {
             self.by_lease.remove(&id);
