@@ -22,6 +22,7 @@ mod client_library;
 mod client_tcp_reclaim;
 mod core_model_proptest;
 mod corrupt_state;
+mod deadlock;
 mod group_commit;
 mod hold_child_outlives_hold;
 mod hold_child_outlives_hold_after_restart;
