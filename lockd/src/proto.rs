@@ -80,8 +80,9 @@ pub enum Request {
     },
     /// Ask for a `status` event.
     Status {
-        /// Version 2: `false` leaves out the per-session list (`session_count` instead),
-        /// which is most of the answer with thousands of sessions. Default `true`.
+        /// Version 2: `false` asks for the summary: no per-session list (`session_count`
+        /// instead) and no per-lease list (`lease_count`; see `leases`), which are most of the
+        /// answer with thousands of sessions. Default `true`.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         sessions: Option<bool>,
     },
@@ -871,9 +872,13 @@ pub struct StatusReport {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_count: Option<usize>,
     /// Version 2: live leases of the kinds `ttl`, `shared` and `quantity`, and their
-    /// waiting requests (omitted when there are none).
+    /// waiting requests (omitted when there are none, and in the summary).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub leases: Vec<LeaseReport>,
+    /// Version 2, summary (`"sessions":false`): how many version-2 leases and waiting
+    /// requests there are (the list is `leases`' business).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_count: Option<usize>,
     /// Version 2: quantity pools (omitted when there are none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pools: Vec<PoolReport>,
@@ -1367,6 +1372,7 @@ mod tests {
                 pools: vec![],
                 counters_by_kind: BTreeMap::new(),
                 deadlocks: vec![],
+                lease_count: None,
             })
             .encode();
             assert!(status.contains(&format!(r#""state":"{wire}""#)), "{status}");
@@ -1411,6 +1417,7 @@ mod tests {
                 pools: vec![],
                 counters_by_kind: BTreeMap::new(),
                 deadlocks: vec![],
+                lease_count: None,
             }),
         ];
         for e in evs {

@@ -101,6 +101,8 @@ struct Model {
     offer_max: BTreeMap<String, u32>,
     versions: BTreeMap<String, u64>,
     steps: u64,
+    /// Held version-2 leases the invariants looked at (summed over steps).
+    held_seen: u64,
 }
 
 fn peer() -> PeerInfo {
@@ -147,6 +149,7 @@ impl Model {
             offer_max: BTreeMap::new(),
             versions: BTreeMap::new(),
             steps: 0,
+            held_seen: 0,
         };
         m.plant();
         m
@@ -236,7 +239,7 @@ impl Model {
     }
 
     fn check_state(&mut self) -> Result<(), TestCaseError> {
-        let st = self.core.status(self.now(), false);
+        let st = self.core.status(self.now(), true);
         let mut ttl_holders: BTreeMap<String, usize> = BTreeMap::new();
         let mut shared: BTreeMap<String, (usize, usize)> = BTreeMap::new();
         let mut alloc: BTreeMap<String, u64> = BTreeMap::new();
@@ -259,6 +262,7 @@ impl Model {
                 _ => {}
             }
         }
+        self.held_seen += st.leases.iter().filter(|l| l.state == "held").count() as u64;
         for (r, n) in ttl_holders {
             prop_assert!(n <= 1, "{r}: {n} live TTL leases");
         }
@@ -519,6 +523,7 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
     });
     let steps = std::sync::atomic::AtomicU64::new(0);
     let grants = std::sync::atomic::AtomicU64::new(0);
+    let held = std::sync::atomic::AtomicU64::new(0);
     runner
         .run(&proptest::collection::vec(op(), 1..150), |ops| {
             let mut m = Model::new(planted, overlap);
@@ -527,6 +532,7 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
             }
             steps.fetch_add(m.steps, std::sync::atomic::Ordering::Relaxed);
             grants.fetch_add(m.grants.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            held.fetch_add(m.held_seen, std::sync::atomic::Ordering::Relaxed);
             Ok(())
         })
         .map_err(|e| e.to_string())?;
@@ -534,6 +540,12 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
     // An assertion over nothing proves nothing: the histories must grant leases.
     if g < u64::from(cases) {
         return Err(format!("only {g} version-2 grants in {cases} histories"));
+    }
+    let h = held.into_inner();
+    if h < 10 * u64::from(cases) {
+        return Err(format!(
+            "the invariants saw only {h} held leases in {cases} histories"
+        ));
     }
     Ok(steps.into_inner())
 }
@@ -585,5 +597,6 @@ fn status_summary_leaves_sessions_out() {
     let m = Model::new(Planted::default(), false);
     let st = m.core.status(m.now(), false);
     assert_eq!((st.sessions.len(), st.session_count), (0, Some(0)));
+    assert_eq!((st.leases.len(), st.lease_count), (0, Some(0)));
     let _ = proto::PROTOCOL_VERSION;
 }

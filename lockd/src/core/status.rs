@@ -83,7 +83,12 @@ impl Core {
             counters: self.counters,
             sessions,
             session_count: (!with_sessions).then_some(self.sessions.len()),
-            leases: self.lease_reports(now, None, None),
+            leases: if with_sessions {
+                self.lease_reports(now, None, None)
+            } else {
+                Vec::new()
+            },
+            lease_count: (!with_sessions).then_some(self.kl.len()),
             pools: self.pool_reports(),
             deadlocks: self.deadlock_reports(),
             counters_by_kind: self.counters_by_kind.clone(),
