@@ -295,6 +295,21 @@ impl Core {
         token: String,
     ) {
         let refuse = |why: &str| format!("cannot reclaim epoch {epoch}: {why}");
+        // A gang of this connection waits for it: taking the member alone would leave the
+        // gang waiting on its own session (found by the model checker, lockd-model).
+        let gang_waits = self
+            .table
+            .resources
+            .get(&resource)
+            .is_some_and(|r| r.waiters.iter().any(|w| w.session == s && w.gang.is_some()));
+        if gang_waits {
+            return self.error(
+                s,
+                ErrorCode::AlreadyQueued,
+                "a gang of this connection waits for it: cancel the gang first".into(),
+                Some(&resource),
+            );
+        }
         let Some(res) = self.table.resources.get(&resource) else {
             return self.error(
                 s,

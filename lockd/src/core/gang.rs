@@ -521,6 +521,27 @@ mod tests {
     }
 
     #[test]
+    fn a_member_of_a_waiting_gang_is_not_reclaimed_alone() {
+        let (mut h, token) = restarted();
+        h.connect(2, "unix");
+        h.connect(3, "unix");
+        h.req(3, acq("b", "x", true));
+        // Session 2 waits for a gang {e, b}, then tries to reclaim e alone.
+        h.req(2, gang("g", "a", &["e", "b"], true));
+        let out = h.req(
+            2,
+            Request::Reclaim {
+                resource: "e".into(),
+                holder: "a".into(),
+                epoch: 1,
+                token,
+            },
+        );
+        assert_eq!(H::err_code(&out, 2).as_deref(), Some("already_queued"));
+        assert!(holder(&h, "e").is_none());
+    }
+
+    #[test]
     fn release_by_gang_id_needs_its_token_and_kinds_do_not_mix() {
         let mut h = H::new();
         h.connect(1, "unix");
