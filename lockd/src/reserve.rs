@@ -7,8 +7,9 @@
 //!   than N granted → every reservation is released and the call fails at once.
 //! * **wait** semantics: the endpoints are taken in one **global order** (the sorted
 //!   endpoint names: every client that uses the same names for the same lockd instances
-//!   uses the same order), each asked with `wait:true`, a client waiting only for an endpoint
-//!   ordered after every one it holds. A wait-for cycle would need a client holding a later
+//!   uses the same order); a busy one is skipped while the ones after it can still make up
+//!   the set, else waited for (`wait:true`), so a client only ever waits for an endpoint
+//!   ordered after every one it holds (the strategy `lockd-model` checks: docs/qurd-model.md). A wait-for cycle would need a client holding a later
 //!   endpoint while waiting for an earlier one, which the order forbids: waiting clients
 //!   cannot deadlock (the classic resource-ordering argument), whatever the timeouts.
 //! * Every grant is a **reservation** (`reserve_ms`, lockd's feature `reserve`): a lockd
@@ -260,11 +261,16 @@ pub fn reserve(o: &ReserveOptions) -> Result<Vec<Link>, ReserveError> {
     loop {
         let mut held: Vec<Link> = Vec::new();
         let mut lost = false;
-        for ep in &order {
+        for (i, ep) in order.iter().enumerate() {
             if held.len() == o.count {
                 break;
             }
-            match ask(ep, o, o.semantics == Semantics::Wait, deadline) {
+            // Wait semantics wait for this endpoint only when the ones after it could not
+            // make up the set; otherwise a busy one is skipped (still in the global order:
+            // a client only ever waits for an endpoint after every one it holds).
+            let after = order.len() - i - 1;
+            let wait = o.semantics == Semantics::Wait && after < o.count - held.len();
+            match ask(ep, o, wait, deadline) {
                 Got::Granted(l) => held.push(l),
                 Got::Busy | Got::Unreachable => {}
                 Got::Deadline => {
