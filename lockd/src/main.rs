@@ -351,8 +351,16 @@ enum OnLossArg {
 #[derive(clap::Args)]
 struct ReserveArgs {
     /// The independent lockd instances (one resource each), comma-separated or repeated.
-    #[arg(long, env = "LOCKD_ENDPOINTS", value_delimiter = ',', required = true)]
+    #[arg(
+        long,
+        env = "LOCKD_ENDPOINTS",
+        value_delimiter = ',',
+        required_unless_present = "endpoints_file"
+    )]
     endpoints: Vec<Endpoint>,
+    /// A file listing more endpoints, one per line (blank lines and `#` comments ignored).
+    #[arg(long, env = "LOCKD_ENDPOINTS_FILE")]
+    endpoints_file: Option<PathBuf>,
     /// How many of them CMD needs.
     #[arg(long, env = "LOCKD_COUNT")]
     count: usize,
@@ -519,8 +527,18 @@ fn reserve(a: ReserveArgs) -> ExitCode {
     let file = a.reservation_file.clone().unwrap_or_else(|| {
         std::env::temp_dir().join(format!("lockd-reserve-{}.json", std::process::id()))
     });
+    let mut endpoints = a.endpoints;
+    if let Some(f) = &a.endpoints_file {
+        match lockd::reserve::endpoints_file(f) {
+            Ok(more) => endpoints.extend(more),
+            Err(e) => {
+                eprintln!("lockd reserve: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    }
     let o = ReserveOptions {
-        endpoints: a.endpoints,
+        endpoints,
         count: a.count,
         semantics: match a.semantics {
             SemanticsArg::Fail => Semantics::Fail,

@@ -180,6 +180,30 @@ impl Link {
     }
 }
 
+/// Read an endpoints file: one `unix:PATH` or `tcp:HOST:PORT` per line; blank lines and
+/// lines starting with `#` are ignored. Errors name the line.
+pub fn endpoints_file(path: &std::path::Path) -> Result<Vec<Endpoint>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("endpoints file {}: {e}", path.display()))?;
+    parse_endpoints(&text).map_err(|e| format!("endpoints file {}: {e}", path.display()))
+}
+
+/// The endpoints of an endpoints file's text.
+pub fn parse_endpoints(text: &str) -> Result<Vec<Endpoint>, String> {
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let l = line.trim();
+        if l.is_empty() || l.starts_with('#') {
+            continue;
+        }
+        out.push(
+            l.parse::<Endpoint>()
+                .map_err(|e| format!("line {}: {e}", n + 1))?,
+        );
+    }
+    Ok(out)
+}
+
 /// What one endpoint answered.
 enum Got {
     Granted(Link),
@@ -301,5 +325,40 @@ pub fn reserve(o: &ReserveOptions) -> Result<Vec<Link>, ReserveError> {
         let pause = rng.gen_range(backoff / 2..=backoff);
         std::thread::sleep(pause.min(deadline - now));
         backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_files_skip_comments_and_name_the_bad_line() {
+        let e = parse_endpoints("# agents\nunix:/run/a.sock\n\n  tcp:node-b:7070  \n").unwrap();
+        assert_eq!(e.len(), 2);
+        assert_eq!(e[1].to_string(), "tcp:node-b:7070");
+        let err = parse_endpoints("unix:/a\nnode-c\n").unwrap_err();
+        assert!(err.starts_with("line 2:"), "{err}");
+    }
+
+    #[test]
+    fn a_count_above_the_endpoints_is_refused_before_any_connection() {
+        let o = ReserveOptions {
+            endpoints: vec![Endpoint::Unix("/nonexistent".into())],
+            count: 2,
+            semantics: Semantics::Wait,
+            resource: "node".into(),
+            holder: "t".into(),
+            timeout: Duration::from_millis(10),
+            reserve_timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_millis(10),
+        };
+        assert!(matches!(
+            reserve(&o),
+            Err(ReserveError::BadCount {
+                count: 2,
+                endpoints: 1
+            })
+        ));
     }
 }
