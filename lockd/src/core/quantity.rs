@@ -184,9 +184,9 @@ impl Core {
 
     /// A pool without offers, leases or waiters is forgotten (its name is free again).
     fn drop_empty_pool(&mut self, pool: &str) {
-        let empty = self.pools.get(pool).is_some_and(|p| {
-            p.offers().is_empty() && p.leases().is_empty() && p.waiting().is_empty()
-        });
+        // O(1): this runs after every pool event (building the lists here made a mass
+        // release quadratic).
+        let empty = self.pools.get(pool).is_some_and(|p| p.is_empty());
         if empty {
             self.pools.remove(pool);
             self.dirty = true;
@@ -386,8 +386,8 @@ impl Core {
             .map(|(name, p)| PoolReport {
                 name: name.clone(),
                 offers: p.offers().iter().map(offer_report).collect(),
-                leases: p.leases().len(),
-                waiting: p.waiting().len(),
+                leases: p.lease_count(),
+                waiting: p.waiting_count(),
             })
             .collect()
     }

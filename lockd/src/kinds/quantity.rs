@@ -737,6 +737,21 @@ impl QuantityManager {
         out
     }
 
+    /// No offer, no lease, no waiting request: the pool can be forgotten (O(1)).
+    pub fn is_empty(&self) -> bool {
+        self.offers.is_empty() && self.leases.is_empty() && self.waiters.is_empty()
+    }
+
+    /// Number of live leases (O(1)).
+    pub fn lease_count(&self) -> usize {
+        self.leases.len()
+    }
+
+    /// Number of waiting requests (O(1)).
+    pub fn waiting_count(&self) -> usize {
+        self.waiters.len()
+    }
+
     /// When the next lease expires, if any.
     pub fn next_deadline(&self) -> Option<Instant> {
         self.expiries.first().map(|(at, _)| *at)
