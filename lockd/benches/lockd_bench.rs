@@ -27,7 +27,8 @@
 //!    holding and one writer waiting per resource, every reader leaves at once; quantity: one
 //!    pool of `--scale-resources` offers of 1 and `--scale-sessions` requests of 1), and one
 //!    client's acquire+release cycles/s on one resource for each kind (v1 included).
-//!    `--kinds-only` runs this part alone.
+//!    `--kinds-only` runs this part alone; `--no-scale` skips parts 3 and 4 (a quick check of
+//!    handoff and throughput).
 //!
 //! `--json FILE` writes every figure as JSON (also printed last).
 //!
@@ -1167,13 +1168,23 @@ fn main() {
         100.0 * spin_s / secs.max(1) as f64,
         100.0 * hits / n1.max(1) as f64,
     );
-    let sc = scale_phase(dir.path(), scale_sessions, scale_resources);
-    let kinds = kinds_phase(
-        dir.path(),
-        scale_sessions,
-        scale_resources,
-        secs as f64 / 2.0,
-    );
+    // `--no-scale`: handoff and throughput only (a quick regression check).
+    let quick = std::env::args().any(|a| a == "--no-scale");
+    let sc = if quick {
+        serde_json::Value::Null
+    } else {
+        scale_phase(dir.path(), scale_sessions, scale_resources)
+    };
+    let kinds = if quick {
+        serde_json::Value::Null
+    } else {
+        kinds_phase(
+            dir.path(),
+            scale_sessions,
+            scale_resources,
+            secs as f64 / 2.0,
+        )
+    };
     let mut load = String::new();
     let _ = std::fs::File::open("/proc/loadavg").and_then(|mut f| f.read_to_string(&mut load));
     println!(

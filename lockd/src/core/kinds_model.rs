@@ -20,7 +20,10 @@
 //! * nothing panics.
 //!
 //! Shown to catch planted bugs: a grant that is not persisted, a TTL acquire that ignores the
-//! holder, shared admission that lets readers in beside a writer, a gang granted in part.
+//! holder, shared admission that lets readers in beside a writer, a gang granted in part, a
+//! wait-for graph that keeps the edge of a waiter that left.
+//! * **deadlocks**: the wait-for graph says a session is deadlocked exactly when, from the
+//!   lease table, it reaches itself through "waits for a resource held by".
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -39,6 +42,7 @@ enum Op {
     Quantity(u64, u8, bool),
     Excl(u64, u8),
     Gang(u64, u8, bool),
+    Cross(u64, u8),
     ReleaseRes(u64, u8),
     ReleaseId(u64, u8),
     Renew(u64, u8),
@@ -64,6 +68,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (c.clone(), 1u8..5, any::<bool>()).prop_map(|(c, q, w)| Op::Quantity(c, q, w)),
         2 => (c.clone(), 0u8..2).prop_map(|(c, r)| Op::Excl(c, r)),
         2 => (c.clone(), 1u8..4, any::<bool>()).prop_map(|(c, m, w)| Op::Gang(c, m, w)),
+        2 => (c.clone(), 0u8..2).prop_map(|(c, r)| Op::Cross(c, r)),
         2 => (c.clone(), 0u8..5).prop_map(|(c, r)| Op::ReleaseRes(c, r)),
         3 => (c.clone(), pick).prop_map(|(c, p)| Op::ReleaseId(c, p)),
         3 => (c.clone(), pick).prop_map(|(c, p)| Op::Renew(c, p)),
@@ -103,6 +108,8 @@ struct Model {
     steps: u64,
     /// Held version-2 leases the invariants looked at (summed over steps).
     held_seen: u64,
+    /// Deadlocked sessions the graph check confirmed (summed over steps).
+    deadlock_checks: u64,
 }
 
 fn peer() -> PeerInfo {
@@ -150,6 +157,7 @@ impl Model {
             versions: BTreeMap::new(),
             steps: 0,
             held_seen: 0,
+            deadlock_checks: 0,
         };
         m.plant();
         m
@@ -289,6 +297,39 @@ impl Model {
                 );
             }
         }
+        // The wait-for graph agrees with a from-scratch look at the table: a session is
+        // deadlocked iff it reaches itself through "waits for a resource held by".
+        let mut edges: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new();
+        for res in self.core.table.resources.values() {
+            if let super::table::LeaseState::Held(l) = &res.lease {
+                for w in res.waiters.iter() {
+                    if w.session != l.session {
+                        edges.entry(w.session).or_default().insert(l.session);
+                    }
+                }
+            }
+        }
+        for &s in edges.keys() {
+            let mut seen = BTreeSet::new();
+            let mut stack: Vec<u64> = edges[&s].iter().copied().collect();
+            let mut cyclic = false;
+            while let Some(n) = stack.pop() {
+                if n == s {
+                    cyclic = true;
+                    break;
+                }
+                if seen.insert(n) {
+                    stack.extend(edges.get(&n).into_iter().flatten().copied());
+                }
+            }
+            prop_assert_eq!(
+                self.core.waitfor.is_deadlocked(s),
+                cyclic,
+                "session {} deadlocked per the graph vs the table",
+                s
+            );
+            self.deadlock_checks += u64::from(cyclic);
+        }
         // No gang is held in part: a granted gang holds every member, with its own leases.
         for (id, g) in &self.core.gangs {
             if g.granted {
@@ -375,6 +416,13 @@ impl Model {
                 c,
                 Request::acquire(EXCL[usize::from(r)], format!("h{c}"), true),
             )?,
+            Op::Cross(c, r) => {
+                // Hold one, then wait for the other: two clients doing it the other way
+                // round deadlock.
+                let (a, b) = (EXCL[usize::from(r)], EXCL[1 - usize::from(r)]);
+                self.req(c, Request::acquire(a, format!("h{c}"), true))?;
+                self.req(c, Request::acquire(b, format!("h{c}"), true))?;
+            }
             Op::Gang(c, mask, w) => {
                 let members: Vec<String> = EXCL
                     .iter()
@@ -524,6 +572,7 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
     let steps = std::sync::atomic::AtomicU64::new(0);
     let grants = std::sync::atomic::AtomicU64::new(0);
     let held = std::sync::atomic::AtomicU64::new(0);
+    let cycles = std::sync::atomic::AtomicU64::new(0);
     runner
         .run(&proptest::collection::vec(op(), 1..150), |ops| {
             let mut m = Model::new(planted, overlap);
@@ -533,6 +582,7 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
             steps.fetch_add(m.steps, std::sync::atomic::Ordering::Relaxed);
             grants.fetch_add(m.grants.len() as u64, std::sync::atomic::Ordering::Relaxed);
             held.fetch_add(m.held_seen, std::sync::atomic::Ordering::Relaxed);
+            cycles.fetch_add(m.deadlock_checks, std::sync::atomic::Ordering::Relaxed);
             Ok(())
         })
         .map_err(|e| e.to_string())?;
@@ -542,6 +592,11 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
         return Err(format!("only {g} version-2 grants in {cases} histories"));
     }
     let h = held.into_inner();
+    let clean =
+        !(planted.grant_not_persisted || planted.ttl_ignores_holder || planted.gang_partial);
+    if cycles.into_inner() == 0 && clean && !overlap {
+        return Err("no history reached a deadlock: the graph check is vacuous".into());
+    }
     if h < 10 * u64::from(cases) {
         return Err(format!(
             "the invariants saw only {h} held leases in {cases} histories"
@@ -590,6 +645,16 @@ fn the_model_catches_a_gang_held_in_part() {
     };
     let e = run_histories(300, p, false).unwrap_err();
     assert!(e.contains("without its member"), "{e}");
+}
+
+#[test]
+fn the_model_catches_a_stale_edge_in_the_wait_for_graph() {
+    let p = Planted {
+        stale_wait_edges: true,
+        ..Planted::default()
+    };
+    let e = run_histories(300, p, false).unwrap_err();
+    assert!(e.contains("deadlocked per the graph vs the table"), "{e}");
 }
 
 #[test]

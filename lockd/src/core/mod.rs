@@ -205,8 +205,12 @@ pub struct Core {
     reservation_deadlines: BTreeSet<(Instant, String)>,
     /// The wait-for graph of sessions (exclusive leases and gangs).
     waitfor: crate::kinds::waitfor::WaitForGraph,
-    /// The wait edges each resource contributes to it.
-    res_edges: BTreeMap<String, Vec<(u64, u64)>>,
+    /// What the graph holds for each resource (its node, holder and waiters).
+    synced: BTreeMap<String, deadlock::Synced>,
+    /// Resource names by their node id in the graph.
+    res_of_node: BTreeMap<u64, String>,
+    /// Last resource node number handed out.
+    next_res_node: u64,
     /// Gangs granted or waiting, by gang id.
     gangs: BTreeMap<u64, gang::Gang>,
     /// Deadlines of waiting gangs with a timeout: (deadline, gang id).
@@ -319,7 +323,9 @@ impl Core {
             gangs: BTreeMap::new(),
             gang_deadlines: BTreeSet::new(),
             waitfor: crate::kinds::waitfor::WaitForGraph::new(),
-            res_edges: BTreeMap::new(),
+            synced: BTreeMap::new(),
+            res_of_node: BTreeMap::new(),
+            next_res_node: 0,
             reservations: BTreeMap::new(),
             reservation_deadlines: BTreeSet::new(),
             boot_dirty: false,
@@ -698,6 +704,8 @@ pub(crate) struct Planted {
     pub ttl_ignores_holder: bool,
     /// A waiting gang is granted the members that are free, without waiting for the rest.
     pub gang_partial: bool,
+    /// The wait-for graph forgets to drop the edge of a waiter that left.
+    pub stale_wait_edges: bool,
 }
 
 /// Constant-time string comparison for secrets (reclaim tokens, admin tokens, lease tokens

@@ -108,12 +108,16 @@ pub(super) struct Waiters {
     queue: BTreeMap<u64, Waiter>,
     /// Ticket of each waiting session (a session waits at most once per resource).
     by_session: BTreeMap<SessionId, u64>,
+    /// Sessions that joined (`true`) or left (`false`) since the wait-for graph last looked
+    /// (drained by the core at the end of each step: O(changes), not O(waiters)).
+    pub changes: Vec<(SessionId, bool)>,
 }
 
 impl Waiters {
     /// Queue `w` with ticket `t` (from [`Table::next_ticket`], so larger than every ticket
     /// queued before); returns its 1-based position.
     pub fn push(&mut self, t: u64, w: Waiter) -> usize {
+        self.changes.push((w.session, true));
         self.by_session.insert(w.session, t);
         self.queue.insert(t, w);
         self.queue.len()
@@ -128,12 +132,14 @@ impl Waiters {
     pub fn pop_front(&mut self) -> Option<Waiter> {
         let (_, w) = self.queue.pop_first()?;
         self.by_session.remove(&w.session);
+        self.changes.push((w.session, false));
         Some(w)
     }
 
     /// Take `s`'s entry out of the queue, wherever it is.
     pub fn remove_session(&mut self, s: SessionId) -> Option<Waiter> {
         let t = self.by_session.remove(&s)?;
+        self.changes.push((s, false));
         self.queue.remove(&t)
     }
 
