@@ -24,6 +24,10 @@ pub const STATE_VERSION: u32 = 2;
 /// Every version this lockd reads (older ones are migrated in memory).
 pub const READABLE_STATE_VERSIONS: std::ops::RangeInclusive<u32> = 1..=STATE_VERSION;
 
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
+}
+
 /// The state file's content (version 2).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PersistedState {
@@ -39,7 +43,7 @@ pub struct PersistedState {
     pub last_lease_id: u64,
     /// Ended version-2 leases, kept for a bounded time so that their end (and its reason)
     /// can be asked for by lease id.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tombstones: Vec<Tombstone>,
     /// Version-2 leases (TTL, shared, quantity) that are granted: what every kind shares
     /// (resource, holder, token, epoch, mode, TTL, bound to a connection or not), by lease id.
@@ -47,13 +51,15 @@ pub struct PersistedState {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub kind_leases: BTreeMap<u64, super::leases::KindLease>,
     /// TTL leases: live leases with wall-clock expiries, their tombstones, their counters.
-    #[serde(default)]
+    /// (Omitted while empty, like every section below: a version-1 workload writes what it
+    /// wrote before the kinds existed.)
+    #[serde(default, skip_serializing_if = "is_default")]
     pub ttl: crate::kinds::ttl::TtlRecords,
     /// Shared-kind leases: per resource, version, epoch and holders.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub shared: crate::kinds::shared::SharedRecords,
     /// Lifetimes of timed shared-kind leases.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub shared_ttl: crate::kinds::ttl::TtlRecords,
     /// Quantity pools: offers and leases, by pool name.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
