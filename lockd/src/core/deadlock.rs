@@ -192,56 +192,17 @@ impl Core {
         if self.cfg.break_deadlocks {
             // The youngest lease the cycle waits for: the highest lease id.
             if let Some((r, _)) = res.iter().max_by_key(|x| x.1).cloned() {
-                let before = self.counters.revocations;
-                self.revoke_as_lockd(now, r, "deadlock".into());
-                if self.counters.revocations > before {
+                // A lease revoked already (by an operator, or an earlier break) is not
+                // revoked again: its holder was told and the cycle ends when it lets go.
+                let fresh = matches!(
+                    self.table.resources.get(&r).map(|x| &x.lease),
+                    Some(LeaseState::Held(l)) if l.revoked.is_none()
+                );
+                if fresh && self.revoke_held(now, &r, "deadlock".into()).is_some() {
                     self.counters.deadlock_breaks += 1;
                 }
             }
         }
-    }
-
-    /// lockd itself revokes the lease of `resource` (to break a deadlock): marked revoked,
-    /// its holder told to fence itself and let go; it moves when the holder's session ends.
-    fn revoke_as_lockd(&mut self, now: Now, resource: String, reason: String) {
-        let Some(res) = self.table.resources.get_mut(&resource) else {
-            return;
-        };
-        let LeaseState::Held(l) = &mut res.lease else {
-            return;
-        };
-        if l.revoked.is_some() {
-            return;
-        }
-        l.revoked = Some(reason.clone());
-        let (holder, epoch, hs) = (l.holder.clone(), l.epoch, l.session);
-        self.counters.revocations += 1;
-        self.dirty = true;
-        self.notice(
-            Notice {
-                kind: NoticeKind::Revoked,
-                resource: resource.clone(),
-                holder: Some(holder),
-                epoch,
-                session: Some(hs),
-                reclaimed: false,
-                after_revoke: false,
-                reason: Some(reason.clone()),
-                at_unix_ms: now.unix_ms,
-                lease_id: None,
-                lease_kind: None,
-                version: None,
-            },
-            None,
-        );
-        self.send(
-            hs,
-            crate::proto::Event::Revoked {
-                resource,
-                epoch,
-                reason,
-            },
-        );
     }
 
     /// The deadlocks that exist now, for `status`.

@@ -448,32 +448,17 @@ impl Core {
                     Some(&resource),
                 );
             }
-            LeaseState::Held(l) => {
-                let first = l.revoked.is_none();
-                l.revoked = Some(reason.clone());
-                let (holder, epoch, hs) = (l.holder.clone(), l.epoch, l.session);
-                if first {
-                    self.counters.revocations += 1;
-                    self.dirty = true;
-                    let n = mk(&holder, epoch, Some(hs));
-                    self.notice(n, None);
+            LeaseState::Held(_) => {
+                if let Some((holder, epoch)) = self.revoke_held(now, &resource, reason) {
+                    self.send(
+                        s,
+                        Event::RevokeSent {
+                            resource,
+                            epoch,
+                            holder: Some(holder),
+                        },
+                    );
                 }
-                self.send(
-                    hs,
-                    Event::Revoked {
-                        resource: resource.clone(),
-                        epoch,
-                        reason: reason.clone(),
-                    },
-                );
-                self.send(
-                    s,
-                    Event::RevokeSent {
-                        resource,
-                        epoch,
-                        holder: Some(holder),
-                    },
-                );
             }
             LeaseState::Reclaiming { lease, .. } => {
                 // Nothing is known of the holder but that it may still run: the lease keeps
@@ -497,6 +482,54 @@ impl Core {
                 );
             }
         }
+    }
+
+    /// Mark the held lease of `resource` revoked (counted and announced the first time) and
+    /// tell its holder to fence itself and let go; it moves only once the holder's session
+    /// ends. Returns (holder, epoch), or None if nobody holds it. The operator's `revoke`
+    /// and the deadlock breaker both come here.
+    pub(super) fn revoke_held(
+        &mut self,
+        now: Now,
+        resource: &str,
+        reason: String,
+    ) -> Option<(String, u64)> {
+        let LeaseState::Held(l) = &mut self.table.resources.get_mut(resource)?.lease else {
+            return None;
+        };
+        let first = l.revoked.is_none();
+        l.revoked = Some(reason.clone());
+        let (holder, epoch, hs) = (l.holder.clone(), l.epoch, l.session);
+        if first {
+            self.counters.revocations += 1;
+            self.dirty = true;
+            self.notice(
+                Notice {
+                    kind: NoticeKind::Revoked,
+                    resource: resource.to_string(),
+                    holder: Some(holder.clone()),
+                    epoch,
+                    session: Some(hs),
+                    reclaimed: false,
+                    after_revoke: false,
+                    reason: Some(reason.clone()),
+                    at_unix_ms: now.unix_ms,
+                    lease_id: None,
+                    lease_kind: None,
+                    version: None,
+                },
+                None,
+            );
+        }
+        self.send(
+            hs,
+            Event::Revoked {
+                resource: resource.to_string(),
+                epoch,
+                reason,
+            },
+        );
+        Some((holder, epoch))
     }
 
     /// End reconnect windows whose deadline has passed.
