@@ -67,6 +67,9 @@ pub struct ServeConfig {
     pub max_tombstones: usize,
     /// ... and at most this long (`--tombstone-age`).
     pub tombstone_max_age: Duration,
+    /// Write a whole snapshot (and empty the journal) once the journal passes this many
+    /// bytes (`--compact-after`; None: max(1 MiB, twice the snapshot)).
+    pub compact_after: Option<u64>,
 }
 
 impl ServeConfig {
@@ -89,6 +92,7 @@ impl ServeConfig {
             offers: Vec::new(),
             max_tombstones: Config::default().max_tombstones,
             tombstone_max_age: Config::default().tombstone_max_age,
+            compact_after: None,
             break_deadlocks: false,
         }
     }
@@ -356,8 +360,22 @@ impl Driver {
         // The snapshot is the core's state now: it covers every request made so far.
         let seq = self.persist_requested;
         let t = Instant::now();
-        let state = self.core.snapshot();
-        match self.state.write(&state) {
+        // Everything the core changed since the last write: one journal line. The first
+        // write of this process, and one after the journal outgrew the snapshot, writes the
+        // whole state instead (and empties the journal).
+        let mut delta = self.core.take_delta();
+        let r = if self.state.wants_snapshot() {
+            let state = self.core.snapshot();
+            let r = self.state.write(&state);
+            if r.is_ok() {
+                self.metrics.snapshots.inc();
+                debug!(seq, "state snapshot written; journal emptied");
+            }
+            r
+        } else {
+            self.state.append(&mut delta)
+        };
+        match r {
             Ok(()) => {
                 self.metrics.persist.observe(t.elapsed());
                 self.persist_written = seq;
@@ -765,7 +783,8 @@ impl Server {
         if cfg.listen.is_empty() {
             return Err(ServeError::NoListener);
         }
-        let (state_file, state) = StateFile::open(&cfg.state)?;
+        let (mut state_file, state) = StateFile::open(&cfg.state)?;
+        state_file.set_compact_after(cfg.compact_after);
         let held: Vec<String> = state
             .resources
             .iter()
