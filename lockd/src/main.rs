@@ -212,7 +212,7 @@ struct ServeArgs {
     #[arg(long, env = "LOCKD_BREAK_DEADLOCKS", value_parser = clap::builder::BoolishValueParser::new())]
     break_deadlocks: bool,
     /// Ended version-2 leases remembered (queryable by `lease`) at most this many; each is
-    /// part of every state write, so keep it modest.
+    /// part of every snapshot of the state, so keep it modest.
     #[arg(long, env = "LOCKD_MAX_TOMBSTONES", default_value_t = 1000)]
     max_tombstones: usize,
     /// ... and at most this long.

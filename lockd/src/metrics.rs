@@ -429,13 +429,14 @@ mod tests {
             ("lockd_handoff_seconds_bucket{le=\"+Inf\"}", 0.0),
             ("lockd_persist_seconds_count", 0.0),
             ("lockd_persist_seconds_bucket{le=\"+Inf\"}", 0.0),
+            ("lockd_state_snapshots_total", 0.0),
         ] {
             assert_eq!(value(&text, series), v, "{series}");
         }
         // Every sample belongs to a documented family; nothing else is exposed.
         let names: std::collections::BTreeSet<String> =
             samples(&text).into_iter().map(|s| s.name).collect();
-        assert_eq!(names.len(), 20, "{names:?}");
+        assert_eq!(names.len(), 21, "{names:?}");
         assert!(text.contains("# TYPE lockd_grants counter\n"), "{text}");
         assert!(text.contains("# TYPE lockd_waiters gauge\n"), "{text}");
         assert!(

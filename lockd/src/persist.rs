@@ -217,8 +217,8 @@ fn read_state(path: &Path) -> Result<Loaded, PersistError> {
             break;
         }
         let bad = |reason: String| corrupt(&jp, format!("line {lineno}: {reason}"));
-        let d: StateDelta = serde_json::from_slice(line)
-            .map_err(|e| bad(format!("not a journal line: {e}")))?;
+        let d: StateDelta =
+            serde_json::from_slice(line).map_err(|e| bad(format!("not a journal line: {e}")))?;
         if let Some(p) = prev {
             if d.n != p + 1 {
                 return Err(bad(format!("journal number {} after {p}", d.n)));
@@ -419,6 +419,11 @@ impl StateFile {
             .compact_after
             .unwrap_or_else(|| COMPACT_FLOOR.max(self.snapshot_len.saturating_mul(2)));
         self.journal.is_none() || self.journal_len >= limit
+    }
+
+    /// Whether this process has written its first snapshot (appends go to the journal).
+    pub fn journal_open(&self) -> bool {
+        self.journal.is_some()
     }
 
     /// Bytes in the journal now.
@@ -806,7 +811,10 @@ mod tests {
     /// A snapshot at epoch 1, then deltas to epochs 2..=last, left as a killed lockd leaves them.
     fn journaled(p: &Path, last: u64) {
         let (mut sf, _) = StateFile::open(p).unwrap();
-        assert!(sf.wants_snapshot(), "the first write of a process is a snapshot");
+        assert!(
+            sf.wants_snapshot(),
+            "the first write of a process is a snapshot"
+        );
         sf.write(&state_with_epoch(1)).unwrap();
         for e in 2..=last {
             assert!(!sf.wants_snapshot());
@@ -911,7 +919,10 @@ mod tests {
         let v3 = format!("{}\n", serde_json::to_string(&v3).unwrap());
         for (journal, why) in [
             (format!("{}garbage\n{}", line(1, 2), line(2, 3)), "line 2"),
-            (format!("{}{}", line(1, 2), line(3, 3)), "journal number 3 after 1"),
+            (
+                format!("{}{}", line(1, 2), line(3, 3)),
+                "journal number 3 after 1",
+            ),
             (line(2, 2), "does not follow"),
             (format!("{}{}", line(1, 2), v3), "version 3"),
             (format!("{}\n{}", line(1, 2), line(2, 3)), "line 2"),

@@ -365,11 +365,16 @@ impl Driver {
         // whole state instead (and empties the journal).
         let mut delta = self.core.take_delta();
         let r = if self.state.wants_snapshot() {
+            let (compaction, journal_bytes) = (self.state.journal_open(), self.state.journal_len());
             let state = self.core.snapshot();
             let r = self.state.write(&state);
             if r.is_ok() {
                 self.metrics.snapshots.inc();
-                debug!(seq, "state snapshot written; journal emptied");
+                if compaction {
+                    info!(journal_bytes, "journal compacted into a state snapshot");
+                } else {
+                    debug!("state snapshot written (first write since start)");
+                }
             }
             r
         } else {
@@ -386,6 +391,23 @@ impl Driver {
                 self.fatal = Some(e);
                 self.fatal_notify.notify_one();
             }
+        }
+    }
+
+    /// A clean stop leaves one whole snapshot and an empty journal (what an operator reads,
+    /// and what a lockd from before the journal can start from).
+    fn snapshot_on_stop(&mut self) {
+        if self.fatal.is_some() || !self.state.journal_open() || self.state.journal_len() == 0 {
+            return;
+        }
+        let _ = self.core.take_delta();
+        let state = self.core.snapshot();
+        match self.state.write(&state) {
+            Ok(()) => {
+                self.metrics.snapshots.inc();
+                info!("journal compacted into a state snapshot at stop");
+            }
+            Err(e) => warn!(error = %e, "state snapshot at stop failed; the journal stays"),
         }
     }
 
@@ -1026,6 +1048,7 @@ impl Server {
                     _ = shutdown => {
                         info!("shutting down");
                         let mut d = driver.borrow_mut();
+                        d.snapshot_on_stop();
                         let ids: Vec<SessionId> = d.sessions.keys().copied().collect();
                         for s in ids {
                             d.send(s, &Event::error(ErrorCode::ShuttingDown, "lockd is stopping", None));
