@@ -415,10 +415,13 @@ impl StateFile {
     /// Whether the next write must be a whole snapshot ([`StateFile::write`]): the first
     /// write of this process, or the journal outgrew the snapshot.
     pub fn wants_snapshot(&self) -> bool {
-        let limit = self
-            .compact_after
-            .unwrap_or_else(|| COMPACT_FLOOR.max(self.snapshot_len.saturating_mul(2)));
-        self.journal.is_none() || self.journal_len >= limit
+        self.journal.is_none() || self.journal_len >= self.compact_limit()
+    }
+
+    /// The journal size at which the next write is a snapshot.
+    fn compact_limit(&self) -> u64 {
+        self.compact_after
+            .unwrap_or_else(|| COMPACT_FLOOR.max(self.snapshot_len.saturating_mul(2)))
     }
 
     /// Whether this process has written its first snapshot (appends go to the journal).
@@ -431,10 +434,13 @@ impl StateFile {
         self.journal_len
     }
 
-    /// Durably append a delta to the journal (numbered next; one line, then fdatasync).
-    /// The state it leads to is durable when this returns Ok. Needs a snapshot written by
-    /// this process first ([`StateFile::wants_snapshot`]).
-    pub fn append(&mut self, delta: &mut StateDelta) -> Result<(), PersistError> {
+    /// Durably append a delta to the journal (numbered next; one line, then fdatasync):
+    /// Ok(true) when the state it leads to is durable. Ok(false), nothing written: the line
+    /// would bring the journal to its compaction bound, so the caller writes a whole snapshot
+    /// instead ([`StateFile::write`]; a change as big as the state, such as a mass hand-over,
+    /// then costs one snapshot, not a line and a snapshot). Needs a snapshot written by this
+    /// process first ([`StateFile::wants_snapshot`]).
+    pub fn append(&mut self, delta: &mut StateDelta) -> Result<bool, PersistError> {
         let Some(j) = &self.journal else {
             return Err(PersistError::Io {
                 what: "append before the first snapshot to",
@@ -449,6 +455,7 @@ impl StateFile {
         delta.n = self.last_n + 1;
         let mut bytes = std::mem::take(&mut self.buf);
         bytes.clear();
+        let limit = self.compact_limit();
         let r = serde_json::to_writer(&mut bytes, &*delta)
             .map_err(|e| PersistError::Io {
                 what: "serialize journal line",
@@ -457,11 +464,15 @@ impl StateFile {
             })
             .and_then(|()| {
                 bytes.push(b'\n');
+                if self.journal_len + bytes.len() as u64 >= limit {
+                    return Ok(false);
+                }
                 j.write_all_at(&bytes, self.journal_len)
                     .map_err(io("append to", &self.journal_path))?;
-                j.sync_data().map_err(io("fdatasync", &self.journal_path))
+                j.sync_data().map_err(io("fdatasync", &self.journal_path))?;
+                Ok(true)
             });
-        if r.is_ok() {
+        if matches!(r, Ok(true)) {
             self.journal_len += bytes.len() as u64;
             self.last_n = delta.n;
         }
@@ -818,7 +829,7 @@ mod tests {
         sf.write(&state_with_epoch(1)).unwrap();
         for e in 2..=last {
             assert!(!sf.wants_snapshot());
-            sf.append(&mut delta_epoch(e)).unwrap();
+            assert!(sf.append(&mut delta_epoch(e)).unwrap());
         }
     }
 
@@ -844,7 +855,7 @@ mod tests {
         assert_eq!(std::fs::read(journal_path(&p)).unwrap().len(), 0);
         let stamp: StampProbe = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
         assert_eq!(stamp.journal, 3);
-        sf.append(&mut delta_epoch(5)).unwrap();
+        assert!(sf.append(&mut delta_epoch(5)).unwrap());
         assert_eq!(journal_lines(&p)[0].n, 4);
         drop(sf);
         assert_eq!(load(&p).unwrap(), state_with_epoch(5));
@@ -873,7 +884,7 @@ mod tests {
             assert_eq!(st, state_with_epoch(4));
             assert_eq!(std::fs::read(&jp).unwrap(), good);
             sf.write(&st).unwrap();
-            sf.append(&mut delta_epoch(6)).unwrap();
+            assert!(sf.append(&mut delta_epoch(6)).unwrap());
             drop(sf);
             assert_eq!(load(&p).unwrap(), state_with_epoch(6));
         }
@@ -886,8 +897,8 @@ mod tests {
         let jp = journal_path(&p);
         let (mut sf, _) = StateFile::open(&p).unwrap();
         sf.write(&state_with_epoch(1)).unwrap();
-        sf.append(&mut delta_epoch(2)).unwrap();
-        sf.append(&mut delta_epoch(3)).unwrap();
+        assert!(sf.append(&mut delta_epoch(2)).unwrap());
+        assert!(sf.append(&mut delta_epoch(3)).unwrap());
         let old_journal = std::fs::read(&jp).unwrap();
         // The compaction renamed its snapshot (stamp 2), then the process died before the
         // journal was emptied: lines 1 and 2 are in the snapshot already.
@@ -967,23 +978,46 @@ mod tests {
             serde_json::to_string(&d).unwrap().len() as u64 + 1
         };
         let mut e = 1;
-        while !sf.wants_snapshot() {
+        // Appends until a line would bring the journal to the bound: that write is refused
+        // (nothing written) and the caller writes a snapshot instead.
+        loop {
             e += 1;
-            sf.append(&mut delta_epoch(e)).unwrap();
+            let before = sf.journal_len();
+            if !sf.append(&mut delta_epoch(e)).unwrap() {
+                assert_eq!(sf.journal_len(), before, "a refused line is not written");
+                break;
+            }
         }
-        assert!(sf.journal_len() >= COMPACT_FLOOR);
-        assert!(sf.journal_len() < COMPACT_FLOOR + 2 * line_len);
+        assert!(sf.journal_len() < COMPACT_FLOOR);
+        assert!(sf.journal_len() + 2 * line_len >= COMPACT_FLOOR);
+        assert!(!sf.wants_snapshot());
         sf.write(&state_with_epoch(e)).unwrap();
         assert_eq!(sf.journal_len(), 0);
-        // --compact-after overrides it.
-        sf.set_compact_after(Some(3 * line_len));
+        // --compact-after overrides it (and a journal past it asks for a snapshot at once).
         let mut appends = 0;
-        while !sf.wants_snapshot() {
+        loop {
             e += 1;
+            if !sf.append(&mut delta_epoch(e)).unwrap() {
+                break;
+            }
             appends += 1;
-            sf.append(&mut delta_epoch(e)).unwrap();
+            if appends == 3 {
+                sf.set_compact_after(Some(3 * line_len));
+                assert!(sf.wants_snapshot());
+                break;
+            }
         }
         assert_eq!(appends, 3);
+        sf.write(&state_with_epoch(e)).unwrap();
+        let mut appends = 0;
+        loop {
+            e += 1;
+            if !sf.append(&mut delta_epoch(e)).unwrap() {
+                break;
+            }
+            appends += 1;
+        }
+        assert_eq!(appends, 2, "the third line would reach 3 lines' bytes");
         sf.write(&state_with_epoch(e)).unwrap();
         drop(sf);
         assert_eq!(load(&p).unwrap(), state_with_epoch(e));

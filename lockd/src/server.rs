@@ -352,19 +352,27 @@ impl Driver {
 
     /// Durably write the current state if the core asked for a write since the last one,
     /// and acknowledge every request up to the latest to the core (group commit: however
-    /// many requests came since the last write, one snapshot, one write, one fsync).
+    /// many requests came since the last write, one journal line (or snapshot), one write,
+    /// one fsync).
     fn flush_now(&mut self) {
         if self.persist_requested <= self.persist_written || self.fatal.is_some() {
             return;
         }
-        // The snapshot is the core's state now: it covers every request made so far.
+        // The core's state now covers every request made so far.
         let seq = self.persist_requested;
         let t = Instant::now();
         // Everything the core changed since the last write: one journal line. The first
-        // write of this process, and one after the journal outgrew the snapshot, writes the
-        // whole state instead (and empties the journal).
-        let mut delta = self.core.take_delta();
-        let r = if self.state.wants_snapshot() {
+        // write of this process, one whose change is as big as the state (a mass hand-over),
+        // and one whose line would bring the journal to its compaction bound write the
+        // whole state instead (and empty the journal).
+        let appended = if self.state.wants_snapshot() || self.core.change_is_large() {
+            self.core.drop_delta();
+            Ok(false)
+        } else {
+            let mut delta = self.core.take_delta();
+            self.state.append(&mut delta)
+        };
+        let r = if let Ok(false) = appended {
             let (compaction, journal_bytes) = (self.state.journal_open(), self.state.journal_len());
             let state = self.core.snapshot();
             let r = self.state.write(&state);
@@ -378,7 +386,7 @@ impl Driver {
             }
             r
         } else {
-            self.state.append(&mut delta)
+            appended.map(|_| ())
         };
         match r {
             Ok(()) => {
@@ -400,7 +408,7 @@ impl Driver {
         if self.fatal.is_some() || !self.state.journal_open() || self.state.journal_len() == 0 {
             return;
         }
-        let _ = self.core.take_delta();
+        self.core.drop_delta();
         let state = self.core.snapshot();
         match self.state.write(&state) {
             Ok(()) => {

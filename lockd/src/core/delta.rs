@@ -167,6 +167,9 @@ fn set_by_id(leases: &mut Vec<TtlLeaseRecord>, id: u64, v: &Option<TtlLeaseRecor
     }
 }
 
+/// Fewest changes [`Core::change_is_large`] calls large.
+pub const LARGE_CHANGE: usize = 256;
+
 /// What the core noted since the last [`Core::take_delta`].
 #[derive(Debug, Clone, Default)]
 pub(super) struct Notes {
@@ -195,6 +198,31 @@ impl Core {
         if let Some(r) = self.kl.get(&id).map(|l| l.resource.clone()) {
             self.note_name(&r);
         }
+    }
+
+    /// Forget what was noted (the driver writes a whole snapshot instead of a delta).
+    pub fn drop_delta(&mut self) {
+        self.notes = Notes::default();
+        self.table.noted.clear();
+    }
+
+    /// Whether the changes noted since the last write touch so much of the state (at least
+    /// half of its records, and at least [`LARGE_CHANGE`] of them: a mass hand-over) that a
+    /// whole snapshot costs no more than the delta would: the driver writes the snapshot.
+    pub fn change_is_large(&self) -> bool {
+        let change = self.table.noted.len()
+            + self.notes.names.len()
+            + self.notes.leases.len()
+            + self.notes.tombs_added.len();
+        if change < LARGE_CHANGE {
+            return false;
+        }
+        let records = self.table.resources.len()
+            + self.ttl.active_count()
+            + self.shared_ttl.active_count()
+            + self.pools.values().map(|p| p.lease_count()).sum::<usize>()
+            + self.tombs.len();
+        2 * change >= records
     }
 
     /// What changed since the last call (or since the core was built): apply it to the
