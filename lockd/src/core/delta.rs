@@ -210,16 +210,17 @@ impl Core {
     /// half of its records, and at least [`LARGE_CHANGE`] of them: a mass hand-over) that a
     /// whole snapshot costs no more than the delta would: the driver writes the snapshot.
     pub fn change_is_large(&self) -> bool {
+        // Estimates, in records: a name noted twice or a lease ended (an empty entry) counts
+        // as much as a full record, and waiting requests count as records of the state.
         let change = self.table.noted.len()
             + self.notes.names.len()
             + self.notes.leases.len()
-            + self.notes.tombs_added.len();
+            + self.notes.tombs_added.len().min(self.cfg.max_tombstones);
         if change < LARGE_CHANGE {
             return false;
         }
         let records = self.table.resources.len()
-            + self.ttl.active_count()
-            + self.shared_ttl.active_count()
+            + self.kl.len()
             + self.pools.values().map(|p| p.lease_count()).sum::<usize>()
             + self.tombs.len();
         2 * change >= records
