@@ -30,6 +30,7 @@ mod records;
 mod reserve;
 mod session;
 mod shared;
+mod smallset;
 mod status;
 mod table;
 #[cfg(test)]
