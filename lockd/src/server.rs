@@ -761,7 +761,7 @@ fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
 impl Server {
     /// Lock and read the state file, then bind every listener. Fails fast with a clear
     /// error (second lockd, live socket, corrupt state, bad address).
-    pub async fn bind(cfg: ServeConfig) -> Result<Server, ServeError> {
+    pub async fn bind(mut cfg: ServeConfig) -> Result<Server, ServeError> {
         if cfg.listen.is_empty() {
             return Err(ServeError::NoListener);
         }
@@ -808,7 +808,8 @@ impl Server {
                 admin_token: cfg.admin_token.clone(),
                 max_lease_time: cfg.max_lease_time,
                 max_total_lease_time: cfg.max_total_lease_time,
-                offers: cfg.offers.clone(),
+                // Moved, not copied: once applied, the offers live in the core's pools only.
+                offers: std::mem::take(&mut cfg.offers),
                 max_tombstones: cfg.max_tombstones,
                 tombstone_max_age: cfg.tombstone_max_age,
                 break_deadlocks: cfg.break_deadlocks,

@@ -82,7 +82,8 @@ pub struct Config {
     pub max_tombstones: usize,
     /// ... and at most this long.
     pub tombstone_max_age: Duration,
-    /// Offers from the offers file (`--offers FILE`): (pool, offer), set at startup.
+    /// Offers from the offers file (`--offers FILE`): (pool, offer), set at startup by
+    /// [`Core::new`], which keeps no copy of them once they are applied.
     pub offers: Vec<(String, crate::kinds::quantity::OfferSpec)>,
     /// Revoke the youngest lease of every wait-for cycle found (`--break-deadlocks`).
     pub break_deadlocks: bool,
@@ -361,7 +362,8 @@ impl Core {
             }
             let _ = pool;
         }
-        for (pool, spec) in core.cfg.offers.clone() {
+        // Applied, the offers live in their pools only: no copy of the file is kept.
+        for (pool, spec) in std::mem::take(&mut core.cfg.offers) {
             // A pool name the state already uses for another kind (its offers were withdrawn
             // and a lease of another kind took the name before a crash) must not keep lockd
             // down: the offer is skipped, and the driver logs why.
