@@ -419,13 +419,15 @@ struct Outbound {
 
 /// Events waiting for a session's task to write them: a bounded FIFO that allocates
 /// nothing while empty (most sessions, most of the time), unlike a channel's first block.
+/// Its one reader, the session's task, waits for it through a waker slot (no waiter node in
+/// the task's future, as a `Notify` would need).
 struct OutQueue {
     /// The lines, oldest first.
     lines: RefCell<std::collections::VecDeque<String>>,
     /// Most lines held (`--outbound-queue`; beyond: slow consumer).
     cap: usize,
-    /// Wakes the session's task (a line was queued, or the driver let the session go).
-    wake: Notify,
+    /// The session's task, while it waits (a line was queued, or the driver let it go).
+    waker: Cell<Option<std::task::Waker>>,
     /// Set when the driver dropped the session's [`Outbound`].
     closed: Cell<bool>,
 }
@@ -435,13 +437,20 @@ impl OutQueue {
         OutQueue {
             lines: RefCell::new(std::collections::VecDeque::new()),
             cap: cap.max(1),
-            wake: Notify::new(),
+            waker: Cell::new(None),
             closed: Cell::new(false),
         }
     }
 
     fn is_empty(&self) -> bool {
         self.lines.borrow().is_empty()
+    }
+
+    /// Wake the session's task if it waits.
+    fn wake(&self) {
+        if let Some(w) = self.waker.take() {
+            w.wake();
+        }
     }
 
     /// Queue a line; false (nothing queued) when the queue is full.
@@ -452,7 +461,7 @@ impl OutQueue {
         }
         q.push_back(line);
         drop(q);
-        self.wake.notify_one();
+        self.wake();
         true
     }
 
@@ -468,23 +477,28 @@ impl OutQueue {
 
     /// The next line, waiting for one; `None` once the driver let the session go (lines
     /// queued before that are still returned first).
-    async fn pop(&self) -> Option<String> {
-        loop {
+    fn pop(&self) -> impl Future<Output = Option<String>> + '_ {
+        std::future::poll_fn(move |cx| {
             if let Some(l) = self.try_pop() {
-                return Some(l);
+                return std::task::Poll::Ready(Some(l));
             }
             if self.closed.get() {
-                return None;
+                return std::task::Poll::Ready(None);
             }
-            self.wake.notified().await;
-        }
+            let w = match self.waker.take() {
+                Some(w) if w.will_wake(cx.waker()) => w,
+                _ => cx.waker().clone(),
+            };
+            self.waker.set(Some(w));
+            std::task::Poll::Pending
+        })
     }
 }
 
 impl Drop for Outbound {
     fn drop(&mut self) {
         self.queue.closed.set(true);
-        self.queue.wake.notify_one();
+        self.queue.wake();
     }
 }
 
@@ -553,7 +567,10 @@ trait ConnRead: 'static {
 
 impl ConnRead for tokio::net::tcp::OwnedReadHalf {
     fn readable(&self) -> impl Future<Output = std::io::Result<()>> + '_ {
-        tokio::net::tcp::OwnedReadHalf::readable(self)
+        // The socket's own reader slot (this task is its one reader), not a waiter node in
+        // every connection's future as `readable()` has.
+        let s: &tokio::net::TcpStream = self.as_ref();
+        std::future::poll_fn(move |cx| s.poll_read_ready(cx))
     }
     fn try_read_fds(
         &mut self,
@@ -573,7 +590,9 @@ const MAX_FDS_PER_READ: usize = 253;
 
 impl ConnRead for tokio::net::unix::OwnedReadHalf {
     fn readable(&self) -> impl Future<Output = std::io::Result<()>> + '_ {
-        tokio::net::unix::OwnedReadHalf::readable(self)
+        // As for TCP: the socket's reader slot, no waiter node.
+        let s: &tokio::net::UnixStream = self.as_ref();
+        std::future::poll_fn(move |cx| s.poll_read_ready(cx))
     }
     fn try_read_fds(
         &mut self,
@@ -710,6 +729,43 @@ async fn write_all_shared<W: SharedWrite>(w: &W, buf: &[u8]) -> std::io::Result<
         }
     }
     Ok(())
+}
+
+/// Write all of `buf`: straight away when the socket takes it (no allocation), else waiting
+/// for room for at most `limit`. The wait is boxed: its futures (the socket's readiness and a
+/// timer) are not part of every connection's task, most of which never wait to write.
+async fn write_all_bounded<W: SharedWrite>(
+    w: &W,
+    buf: &[u8],
+    limit: Duration,
+) -> Result<std::io::Result<()>, tokio::time::error::Elapsed> {
+    let mut off = 0;
+    while off < buf.len() {
+        match w.try_write(&buf[off..]) {
+            Ok(0) => return Ok(Err(std::io::ErrorKind::WriteZero.into())),
+            Ok(n) => off += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                return Box::pin(tokio::time::timeout(
+                    limit,
+                    write_all_shared(w, &buf[off..]),
+                ))
+                .await;
+            }
+            Err(e) => return Ok(Err(e)),
+        }
+    }
+    Ok(Ok(()))
+}
+
+/// A connection's idle timer until its first request: boxed, and freed at that request.
+type IdleTimer = Option<std::pin::Pin<Box<tokio::time::Sleep>>>;
+
+/// Completes when the idle timer fires; never once it was freed.
+async fn idle_fired(idle: &mut IdleTimer) {
+    match idle {
+        Some(t) => t.as_mut().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// A lockd whose state file is locked and listeners are bound, ready to [`Server::run`].
@@ -1066,7 +1122,17 @@ impl Bucket {
     }
 }
 
-async fn conn<R, W>(d: Shared, lim: Rc<ServeConfig>, id: SessionId, peer: PeerInfo, mut r: R, w: W)
+/// Register a new connection with the driver (its outbound path; its session in the core,
+/// greeted with `hello`) and return its task. The setup runs here rather than in the task, so
+/// that what only the setup needs (the peer's identity) is not carried in every task's future.
+fn conn<R, W>(
+    d: Shared,
+    lim: Rc<ServeConfig>,
+    id: SessionId,
+    peer: PeerInfo,
+    r: R,
+    w: W,
+) -> impl Future<Output = ()> + 'static
 where
     R: ConnRead,
     W: SharedWrite,
@@ -1091,13 +1157,33 @@ where
         drv.peers.insert(id, peer.clone());
         drv.feed(Input::Connect { session: id, peer });
     }
+    conn_task(d, lim, id, r, w, queue, busy)
+}
+
+/// A connection's task: reads its requests, writes what its queue holds, ends it.
+///
+/// Its future is what every connection costs, whatever it does: it keeps inline only what
+/// it needs all the time (read readiness and the queue's wakeup, both polled without a waiter
+/// node of their own); the idle timer and the wait of a write the socket did not take at
+/// once are boxed, and the timer is freed at the first request.
+async fn conn_task<R, W>(
+    d: Shared,
+    lim: Rc<ServeConfig>,
+    id: SessionId,
+    mut r: R,
+    w: Rc<W>,
+    queue: Rc<OutQueue>,
+    busy: Rc<Cell<bool>>,
+) where
+    R: ConnRead,
+    W: SharedWrite,
+{
     // No read buffer up front: the line buffer is offered to the socket only once it is
     // readable, and grows (and shrinks back) with what the peer sends.
     let mut lb = LineBuf::new(lim.max_line);
     let mut fds: Vec<std::os::fd::OwnedFd> = Vec::new();
-    let mut got_request = false;
-    let idle = tokio::time::sleep(lim.idle_timeout);
-    tokio::pin!(idle);
+    // Boxed and freed at the first request: most connections live long past it.
+    let mut idle: IdleTimer = Some(Box::pin(tokio::time::sleep(lim.idle_timeout)));
     let rate = f64::from(lim.rate_limit.max(1));
     let mut bucket = Bucket {
         tokens: rate,
@@ -1117,7 +1203,7 @@ where
                             None => break,
                         }
                     }
-                    let r = tokio::time::timeout(lim.write_timeout, write_all_shared(&*w, line.as_bytes())).await;
+                    let r = write_all_bounded(&*w, line.as_bytes(), lim.write_timeout).await;
                     busy.set(false);
                     match r {
                         Ok(Ok(())) => {}
@@ -1152,22 +1238,23 @@ where
                         Err(e) => {
                             d.borrow().metrics.bad_requests.inc();
                             warn!(session = id, max = e.max, "line too long; disconnecting");
-                            let ev = Event::error(ErrorCode::LineTooLong, e.to_string(), None);
+                            let ev = Event::error(ErrorCode::LineTooLong, e.to_string(), None).encode();
                             busy.set(true); // closing: the driver writes nothing more here
-                            let _ = write_all_shared(&*w, ev.encode().as_bytes()).await;
+                            let _ = write_all_bounded(&*w, ev.as_bytes(), lim.write_timeout).await;
                             break 'outer "line too long".into();
                         }
                     };
                     if line.iter().all(|b| b.is_ascii_whitespace()) {
                         continue;
                     }
-                    got_request = true;
+                    // The first request frees the idle timer.
+                    idle = None;
                     if !bucket.take() {
                         d.borrow().metrics.bad_requests.inc();
                         warn!(session = id, rate = lim.rate_limit, "request flood; disconnecting");
-                        let ev = Event::error(ErrorCode::RateLimited, format!("more than {} requests/s", lim.rate_limit), None);
+                        let ev = Event::error(ErrorCode::RateLimited, format!("more than {} requests/s", lim.rate_limit), None).encode();
                         busy.set(true); // closing: the driver writes nothing more here
-                        let _ = write_all_shared(&*w, ev.encode().as_bytes()).await;
+                        let _ = write_all_bounded(&*w, ev.as_bytes(), lim.write_timeout).await;
                         break 'outer "rate limited".into();
                     }
                     match proto::decode_request(&line, lim.max_line) {
@@ -1209,11 +1296,11 @@ where
                     }
                 }
             }
-            _ = &mut idle, if !got_request => {
+            _ = idle_fired(&mut idle), if idle.is_some() => {
                 warn!(session = id, "no request within the idle timeout; disconnecting");
-                let ev = Event::error(ErrorCode::IdleTimeout, format!("no request within {:?}", lim.idle_timeout), None);
+                let ev = Event::error(ErrorCode::IdleTimeout, format!("no request within {:?}", lim.idle_timeout), None).encode();
                 busy.set(true); // closing: the driver writes nothing more here
-                let _ = write_all_shared(&*w, ev.encode().as_bytes()).await;
+                let _ = write_all_bounded(&*w, ev.as_bytes(), lim.write_timeout).await;
                 break "idle timeout".into();
             }
         }
@@ -1241,6 +1328,46 @@ fn peer_transport(d: &Shared, id: SessionId) -> String {
 mod tests {
     use super::*;
     use std::os::fd::{AsRawFd, OwnedFd};
+
+    /// Most bytes a connection task's future may take in a debug build (432 now; 1,160
+    /// with the idle timer, a waiting write with its timer, the peer's identity and a
+    /// waiter node for readiness and for the queue's wakeup, all inline).
+    const CONN_FUTURE_MAX: usize = 512;
+
+    #[tokio::test]
+    async fn a_connection_task_keeps_what_it_rarely_needs_out_of_its_future() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = ServeConfig::new(
+            vec![Endpoint::Unix(dir.path().join("lockd.sock"))],
+            dir.path().join("state.json"),
+        );
+        let server = Server::bind(cfg).await.unwrap();
+        let lim = Rc::new(server.cfg.clone());
+        let (_a, b) = tokio::net::UnixStream::pair().unwrap();
+        let (r, w) = b.into_split();
+        let unix = conn(
+            server.driver.clone(),
+            lim.clone(),
+            1,
+            PeerInfo::default(),
+            r,
+            w,
+        );
+        let (_l, t) = {
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let c = tokio::net::TcpStream::connect(l.local_addr().unwrap());
+            let (c, a) = tokio::join!(c, l.accept());
+            (a.unwrap().0, c.unwrap())
+        };
+        let (r, w) = t.into_split();
+        let tcp = conn(server.driver.clone(), lim, 2, PeerInfo::default(), r, w);
+        let (su, st) = (std::mem::size_of_val(&unix), std::mem::size_of_val(&tcp));
+        eprintln!("connection task future: unix {su} bytes, tcp {st} bytes");
+        assert!(
+            su <= CONN_FUTURE_MAX && st <= CONN_FUTURE_MAX,
+            "unix {su}, tcp {st} > {CONN_FUTURE_MAX} bytes"
+        );
+    }
 
     #[tokio::test]
     async fn every_descriptor_of_a_read_is_owned_even_past_the_anchor_limit() {
