@@ -32,7 +32,7 @@ impl Core {
         self.watchers.remove(&session);
         self.sessions.insert(
             session,
-            Session {
+            Box::new(Session {
                 peer,
                 holds: SmallSet::new(),
                 waits: SmallSet::new(),
@@ -41,7 +41,7 @@ impl Core {
                 anchors: 0,
                 leases: SmallSet::new(),
                 gangs: SmallSet::new(),
-            },
+            }),
         );
         self.send(
             session,

@@ -18,8 +18,9 @@ pub(super) const SMALL_MAX: usize = 16;
 pub(super) enum SmallSet<T> {
     /// Sorted, no duplicates, at most [`SMALL_MAX`] elements.
     Small(Vec<T>),
-    /// More than [`SMALL_MAX`] elements (until it shrinks to half that).
-    Large(BTreeSet<T>),
+    /// More than [`SMALL_MAX`] elements (until it shrinks to half that). Boxed, so that the
+    /// set takes no more room than a `Vec` (a session has four).
+    Large(Box<BTreeSet<T>>),
 }
 
 impl<T> Default for SmallSet<T> {
@@ -78,7 +79,7 @@ impl<T: Ord> SmallSet<T> {
                 Err(_) => {
                     let mut s: BTreeSet<T> = std::mem::take(v).into_iter().collect();
                     s.insert(x);
-                    *self = SmallSet::Large(s);
+                    *self = SmallSet::Large(Box::new(s));
                     true
                 }
             },
@@ -107,7 +108,7 @@ impl<T: Ord> SmallSet<T> {
             SmallSet::Large(s) => {
                 let removed = s.remove(x);
                 if s.len() <= SMALL_MAX / 2 {
-                    let v: Vec<T> = std::mem::take(s).into_iter().collect();
+                    let v: Vec<T> = std::mem::take(&mut **s).into_iter().collect();
                     *self = SmallSet::Small(v);
                 }
                 removed
@@ -219,6 +220,14 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_set_takes_the_room_of_a_vec() {
+        assert_eq!(
+            std::mem::size_of::<SmallSet<String>>(),
+            std::mem::size_of::<Vec<String>>()
+        );
     }
 
     #[test]
