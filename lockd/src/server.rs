@@ -166,8 +166,9 @@ struct Driver {
     state: StateFile,
     /// Outbound paths of connected sessions (dropping one closes that connection).
     sessions: HashMap<SessionId, Outbound>,
-    /// Peer identity per session, for logs.
-    peers: HashMap<SessionId, PeerInfo>,
+    /// Peer pid and uid per session, for the log lines of its lease changes (not the whole
+    /// identity: the core has it, and this is one more entry per connection).
+    peers: HashMap<SessionId, (Option<i32>, Option<u32>)>,
     /// Measurements for `/metrics`.
     metrics: Metrics,
     /// Wakes the window timer when deadlines may have changed.
@@ -256,8 +257,11 @@ impl Driver {
                         // Nobody reads the line: skip the logger task's wakeup too.
                         continue;
                     }
-                    let peer = notice.session.and_then(|s| self.peers.get(&s));
-                    let (pid, uid) = (peer.and_then(|p| p.pid), peer.and_then(|p| p.uid));
+                    let (pid, uid) = notice
+                        .session
+                        .and_then(|s| self.peers.get(&s))
+                        .copied()
+                        .unwrap_or_default();
                     // Logged by the logger task, after the new holder's socket write.
                     self.deferred.push(LogLine::Notice {
                         notice,
@@ -589,6 +593,8 @@ trait ConnRead: 'static {
     }
     /// Whether this transport can carry descriptors (anchors).
     const CARRIES_FDS: bool;
+    /// The transport's name (as in a peer's identity).
+    const TRANSPORT: &'static str;
 }
 
 impl ConnRead for tokio::net::tcp::OwnedReadHalf {
@@ -606,6 +612,7 @@ impl ConnRead for tokio::net::tcp::OwnedReadHalf {
         self.try_read(buf)
     }
     const CARRIES_FDS: bool = false;
+    const TRANSPORT: &'static str = "tcp";
 }
 
 /// Room for descriptors in one read: the kernel's limit per message (`SCM_MAX_FD`), so the
@@ -656,6 +663,7 @@ impl ConnRead for tokio::net::unix::OwnedReadHalf {
         }
     }
     const CARRIES_FDS: bool = true;
+    const TRANSPORT: &'static str = "unix";
 }
 
 /// Descriptors received on one connection and not yet claimed by an `anchor` request.
@@ -1175,7 +1183,7 @@ where
         let mut drv = d.borrow_mut();
         drv.metrics.connections.inc();
         drv.sessions.insert(id, out);
-        drv.peers.insert(id, peer.clone());
+        drv.peers.insert(id, (peer.pid, peer.uid));
         drv.feed(Input::Connect { session: id, peer });
     }
     conn_task(d, lim, id, r, c)
@@ -1286,7 +1294,7 @@ async fn conn_task<R, W>(
                                     check_anchor(&fd).map(|k| (k, fd))
                                 }
                             } else {
-                                Err(format!("anchors need a unix socket, not {}", peer_transport(&d, id)))
+                                Err(format!("anchors need a unix socket, not {}", R::TRANSPORT))
                             };
                             match fd {
                                 Ok((kind, fd)) => {
@@ -1334,13 +1342,6 @@ async fn conn_task<R, W>(
             reason,
         });
     }
-}
-
-fn peer_transport(d: &Shared, id: SessionId) -> String {
-    d.borrow()
-        .peers
-        .get(&id)
-        .map_or_else(|| "this transport".into(), |p| p.transport.clone())
 }
 
 #[cfg(test)]
