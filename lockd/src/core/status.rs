@@ -39,7 +39,7 @@ impl Core {
         // time); names past `cap` are counted, not collected.
         // A fixed-key hasher: the core takes no randomness from outside.
         let mut by_res: HashMap<&str, KindOn<'_>, BuildHasherDefault<DefaultHasher>> =
-            HashMap::default();
+            HashMap::with_capacity_and_hasher(self.table.resources.len(), Default::default());
         for l in self.kl.values() {
             let on = by_res.entry(l.resource.as_str()).or_default();
             if l.granted {
