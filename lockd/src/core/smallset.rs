@@ -20,6 +20,7 @@ pub(super) enum SmallSet<T> {
     Small(Vec<T>),
     /// More than [`SMALL_MAX`] elements (until it shrinks to half that). Boxed, so that the
     /// set takes no more room than a `Vec` (a session has four).
+    #[allow(clippy::box_collection)] // deliberate: 8 bytes here, not 24, for a rare case
     Large(Box<BTreeSet<T>>),
 }
 
