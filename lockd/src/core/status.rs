@@ -11,6 +11,8 @@ use crate::proto::{self, ResourceReport, SessionReport, StatusReport};
 /// and the waiters (the first `cap` names of each, in lease id order, and how many).
 #[derive(Default)]
 struct KindOn<'a> {
+    /// The kind of the leases (a resource has one kind at a time).
+    kind: Option<proto::LeaseKind>,
     /// The granted lease with the highest epoch.
     latest: Option<&'a KindLease>,
     /// Holder names of the granted leases (at most `cap`).
@@ -39,6 +41,7 @@ impl Core {
         let mut by_res: BTreeMap<&str, KindOn<'_>> = BTreeMap::new();
         for l in self.kl.values() {
             let on = by_res.entry(l.resource.as_str()).or_default();
+            on.kind = Some(l.kind);
             if l.granted {
                 on.holder_n += 1;
                 if on.holders.len() < cap {
@@ -154,7 +157,13 @@ impl Core {
         on: &KindOn<'_>,
         with_sessions: bool,
     ) -> ResourceReport {
-        let kind = match self.kind_in_use(&rep.name) {
+        // As `kind_in_use` says, without its lookups in every kind's table for each
+        // resource: the version-1 table first (held, or queued for), else the kind of the
+        // resource's leases.
+        if rep.state != proto::LeaseState::Free || !rep.waiters.is_empty() {
+            return rep;
+        }
+        let kind = match on.kind {
             Some(k) if k != proto::LeaseKind::Exclusive => k,
             _ => return rep,
         };
