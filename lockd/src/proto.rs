@@ -816,10 +816,23 @@ pub struct ResourceReport {
     /// Version 2: the kind of the leases on it, when not `exclusive` (version 1's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kind: Option<LeaseKind>,
-    /// Version 2: every holder name, when the kind allows several (shared, quantity).
+    /// Version 2: every holder name, when the kind allows several (shared, quantity); in
+    /// the summary, the first few (see `holder_count`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub holders: Vec<String>,
+    /// Summary only (`"sessions":false`): how many waiters there are; `waiters` then lists
+    /// the first few in grant order (at most `STATUS_SUMMARY_NAMES`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiter_count: Option<usize>,
+    /// Summary only, kinds that list `holders`: how many holders there are; `holders` then
+    /// lists the first few.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder_count: Option<usize>,
 }
+
+/// Names of waiters (and of holders) a resource lists in the `status` summary
+/// (`"sessions":false`); `waiter_count` and `holder_count` say how many there are.
+pub const STATUS_SUMMARY_NAMES: usize = 4;
 
 /// Lease-end counters and grant counters since this state file was created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -1355,6 +1368,8 @@ mod tests {
                 reclaim_remaining_ms: None,
                 kind: None,
                 holders: vec![],
+                waiter_count: None,
+                holder_count: None,
             };
             let json = serde_json::to_string(&report).unwrap();
             let want = format!(

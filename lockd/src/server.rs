@@ -170,8 +170,9 @@ struct Driver {
     state: StateFile,
     /// Outbound paths of connected sessions (dropping one closes that connection).
     sessions: HashMap<SessionId, Outbound>,
-    /// Peer identity per session, for logs.
-    peers: HashMap<SessionId, PeerInfo>,
+    /// Peer pid and uid per session, for the log lines of its lease changes (not the whole
+    /// identity: the core has it, and this is one more entry per connection).
+    peers: HashMap<SessionId, (Option<i32>, Option<u32>)>,
     /// Measurements for `/metrics`.
     metrics: Metrics,
     /// Wakes the window timer when deadlines may have changed.
@@ -260,8 +261,11 @@ impl Driver {
                         // Nobody reads the line: skip the logger task's wakeup too.
                         continue;
                     }
-                    let peer = notice.session.and_then(|s| self.peers.get(&s));
-                    let (pid, uid) = (peer.and_then(|p| p.pid), peer.and_then(|p| p.uid));
+                    let (pid, uid) = notice
+                        .session
+                        .and_then(|s| self.peers.get(&s))
+                        .copied()
+                        .unwrap_or_default();
                     // Logged by the logger task, after the new holder's socket write.
                     self.deferred.push(LogLine::Notice {
                         notice,
@@ -431,8 +435,8 @@ impl Driver {
         // Fast path: nothing queued or being written for this session, so the event goes
         // straight to its socket from here (no hop through the session's task). Whatever
         // the socket does not take at once is queued, in order, for the session's task.
-        if !out.busy.get() && out.queue.is_empty() {
-            match (out.try_write)(line.as_bytes()) {
+        if !out.conn.busy().get() && out.conn.queue().is_empty() {
+            match out.conn.try_write(line.as_bytes()) {
                 Ok(n) if n == line.len() => return,
                 Ok(n) => {
                     line.drain(..n);
@@ -441,7 +445,7 @@ impl Driver {
                 Err(_) => {}
             }
         }
-        if !out.queue.push(line) {
+        if !out.conn.queue().push(line) {
             warn!(
                 session,
                 "client does not read its events; disconnecting it (slow consumer)"
@@ -453,27 +457,57 @@ impl Driver {
 
 type Shared = Rc<RefCell<Driver>>;
 
-/// How the driver reaches one session's socket.
+/// How the driver reaches one session's socket: what it shares with the session's task.
 struct Outbound {
+    conn: Rc<dyn ConnOut>,
+}
+
+/// The driver's side of a connection (its task holds the same [`ConnShared`]).
+trait ConnOut {
     /// Events the socket did not take at once, written by the session's task (bounded:
     /// `--outbound-queue`; full = slow consumer).
-    queue: Rc<OutQueue>,
+    fn queue(&self) -> &OutQueue;
     /// Set while the session's task holds bytes it has not finished writing; the driver
     /// then queues instead of writing, so events keep their order.
-    busy: Rc<Cell<bool>>,
+    fn busy(&self) -> &Cell<bool>;
     /// Non-blocking write to the session's socket.
-    try_write: TryWriteFn,
+    fn try_write(&self, buf: &[u8]) -> std::io::Result<usize>;
+}
+
+/// What a connection's task and the driver share, in one allocation per connection (it was
+/// four: the queue, the busy flag, the write half and a closure around it).
+struct ConnShared<W> {
+    /// See [`ConnOut::queue`].
+    queue: OutQueue,
+    /// See [`ConnOut::busy`].
+    busy: Cell<bool>,
+    /// The write half of the socket.
+    w: W,
+}
+
+impl<W: SharedWrite> ConnOut for ConnShared<W> {
+    fn queue(&self) -> &OutQueue {
+        &self.queue
+    }
+    fn busy(&self) -> &Cell<bool> {
+        &self.busy
+    }
+    fn try_write(&self, buf: &[u8]) -> std::io::Result<usize> {
+        self.w.try_write(buf)
+    }
 }
 
 /// Events waiting for a session's task to write them: a bounded FIFO that allocates
 /// nothing while empty (most sessions, most of the time), unlike a channel's first block.
+/// Its one reader, the session's task, waits for it through a waker slot (no waiter node in
+/// the task's future, as a `Notify` would need).
 struct OutQueue {
     /// The lines, oldest first.
     lines: RefCell<std::collections::VecDeque<String>>,
     /// Most lines held (`--outbound-queue`; beyond: slow consumer).
     cap: usize,
-    /// Wakes the session's task (a line was queued, or the driver let the session go).
-    wake: Notify,
+    /// The session's task, while it waits (a line was queued, or the driver let it go).
+    waker: Cell<Option<std::task::Waker>>,
     /// Set when the driver dropped the session's [`Outbound`].
     closed: Cell<bool>,
 }
@@ -483,13 +517,20 @@ impl OutQueue {
         OutQueue {
             lines: RefCell::new(std::collections::VecDeque::new()),
             cap: cap.max(1),
-            wake: Notify::new(),
+            waker: Cell::new(None),
             closed: Cell::new(false),
         }
     }
 
     fn is_empty(&self) -> bool {
         self.lines.borrow().is_empty()
+    }
+
+    /// Wake the session's task if it waits.
+    fn wake(&self) {
+        if let Some(w) = self.waker.take() {
+            w.wake();
+        }
     }
 
     /// Queue a line; false (nothing queued) when the queue is full.
@@ -500,7 +541,7 @@ impl OutQueue {
         }
         q.push_back(line);
         drop(q);
-        self.wake.notify_one();
+        self.wake();
         true
     }
 
@@ -516,28 +557,31 @@ impl OutQueue {
 
     /// The next line, waiting for one; `None` once the driver let the session go (lines
     /// queued before that are still returned first).
-    async fn pop(&self) -> Option<String> {
-        loop {
+    fn pop(&self) -> impl Future<Output = Option<String>> + '_ {
+        std::future::poll_fn(move |cx| {
             if let Some(l) = self.try_pop() {
-                return Some(l);
+                return std::task::Poll::Ready(Some(l));
             }
             if self.closed.get() {
-                return None;
+                return std::task::Poll::Ready(None);
             }
-            self.wake.notified().await;
-        }
+            let w = match self.waker.take() {
+                Some(w) if w.will_wake(cx.waker()) => w,
+                _ => cx.waker().clone(),
+            };
+            self.waker.set(Some(w));
+            std::task::Poll::Pending
+        })
     }
 }
 
 impl Drop for Outbound {
     fn drop(&mut self) {
-        self.queue.closed.set(true);
-        self.queue.wake.notify_one();
+        let q = self.conn.queue();
+        q.closed.set(true);
+        q.wake();
     }
 }
-
-/// A session socket's non-blocking write.
-type TryWriteFn = Box<dyn Fn(&[u8]) -> std::io::Result<usize>>;
 
 /// The write half of a connection, shared by its task and the driver's fast path.
 trait SharedWrite: 'static {
@@ -597,11 +641,16 @@ trait ConnRead: 'static {
     }
     /// Whether this transport can carry descriptors (anchors).
     const CARRIES_FDS: bool;
+    /// The transport's name (as in a peer's identity).
+    const TRANSPORT: &'static str;
 }
 
 impl ConnRead for tokio::net::tcp::OwnedReadHalf {
     fn readable(&self) -> impl Future<Output = std::io::Result<()>> + '_ {
-        tokio::net::tcp::OwnedReadHalf::readable(self)
+        // The socket's own reader slot (this task is its one reader), not a waiter node in
+        // every connection's future as `readable()` has.
+        let s: &tokio::net::TcpStream = self.as_ref();
+        std::future::poll_fn(move |cx| s.poll_read_ready(cx))
     }
     fn try_read_fds(
         &mut self,
@@ -611,6 +660,7 @@ impl ConnRead for tokio::net::tcp::OwnedReadHalf {
         self.try_read(buf)
     }
     const CARRIES_FDS: bool = false;
+    const TRANSPORT: &'static str = "tcp";
 }
 
 /// Room for descriptors in one read: the kernel's limit per message (`SCM_MAX_FD`), so the
@@ -621,7 +671,9 @@ const MAX_FDS_PER_READ: usize = 253;
 
 impl ConnRead for tokio::net::unix::OwnedReadHalf {
     fn readable(&self) -> impl Future<Output = std::io::Result<()>> + '_ {
-        tokio::net::unix::OwnedReadHalf::readable(self)
+        // As for TCP: the socket's reader slot, no waiter node.
+        let s: &tokio::net::UnixStream = self.as_ref();
+        std::future::poll_fn(move |cx| s.poll_read_ready(cx))
     }
     fn try_read_fds(
         &mut self,
@@ -659,6 +711,7 @@ impl ConnRead for tokio::net::unix::OwnedReadHalf {
         }
     }
     const CARRIES_FDS: bool = true;
+    const TRANSPORT: &'static str = "unix";
 }
 
 /// Descriptors received on one connection and not yet claimed by an `anchor` request.
@@ -760,6 +813,43 @@ async fn write_all_shared<W: SharedWrite>(w: &W, buf: &[u8]) -> std::io::Result<
     Ok(())
 }
 
+/// Write all of `buf`: straight away when the socket takes it (no allocation), else waiting
+/// for room for at most `limit`. The wait is boxed: its futures (the socket's readiness and a
+/// timer) are not part of every connection's task, most of which never wait to write.
+async fn write_all_bounded<W: SharedWrite>(
+    w: &W,
+    buf: &[u8],
+    limit: Duration,
+) -> Result<std::io::Result<()>, tokio::time::error::Elapsed> {
+    let mut off = 0;
+    while off < buf.len() {
+        match w.try_write(&buf[off..]) {
+            Ok(0) => return Ok(Err(std::io::ErrorKind::WriteZero.into())),
+            Ok(n) => off += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                return Box::pin(tokio::time::timeout(
+                    limit,
+                    write_all_shared(w, &buf[off..]),
+                ))
+                .await;
+            }
+            Err(e) => return Ok(Err(e)),
+        }
+    }
+    Ok(Ok(()))
+}
+
+/// A connection's idle timer until its first request: boxed, and freed at that request.
+type IdleTimer = Option<std::pin::Pin<Box<tokio::time::Sleep>>>;
+
+/// Completes when the idle timer fires; never once it was freed.
+async fn idle_fired(idle: &mut IdleTimer) {
+    match idle {
+        Some(t) => t.as_mut().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// A lockd whose state file is locked and listeners are bound, ready to [`Server::run`].
 pub struct Server {
     /// Configuration.
@@ -809,7 +899,7 @@ fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
 impl Server {
     /// Lock and read the state file, then bind every listener. Fails fast with a clear
     /// error (second lockd, live socket, corrupt state, bad address).
-    pub async fn bind(cfg: ServeConfig) -> Result<Server, ServeError> {
+    pub async fn bind(mut cfg: ServeConfig) -> Result<Server, ServeError> {
         if cfg.listen.is_empty() {
             return Err(ServeError::NoListener);
         }
@@ -857,7 +947,8 @@ impl Server {
                 admin_token: cfg.admin_token.clone(),
                 max_lease_time: cfg.max_lease_time,
                 max_total_lease_time: cfg.max_total_lease_time,
-                offers: cfg.offers.clone(),
+                // Moved, not copied: once applied, the offers live in the core's pools only.
+                offers: std::mem::take(&mut cfg.offers),
                 max_tombstones: cfg.max_tombstones,
                 tombstone_max_age: cfg.tombstone_max_age,
                 break_deadlocks: cfg.break_deadlocks,
@@ -1115,38 +1206,61 @@ impl Bucket {
     }
 }
 
-async fn conn<R, W>(d: Shared, lim: Rc<ServeConfig>, id: SessionId, peer: PeerInfo, mut r: R, w: W)
+/// Register a new connection with the driver (its outbound path; its session in the core,
+/// greeted with `hello`) and return its task. The setup runs here rather than in the task, so
+/// that what only the setup needs (the peer's identity) is not carried in every task's future.
+fn conn<R, W>(
+    d: Shared,
+    lim: Rc<ServeConfig>,
+    id: SessionId,
+    peer: PeerInfo,
+    r: R,
+    w: W,
+) -> impl Future<Output = ()> + 'static
 where
     R: ConnRead,
     W: SharedWrite,
 {
-    let queue = Rc::new(OutQueue::new(lim.outbound_queue));
-    let w = Rc::new(w);
-    let busy = Rc::new(Cell::new(false));
-    let out = {
-        let w = w.clone();
-        Outbound {
-            queue: queue.clone(),
-            busy: busy.clone(),
-            try_write: Box::new(move |b: &[u8]| w.try_write(b)),
-        }
-    };
+    let c = Rc::new(ConnShared {
+        queue: OutQueue::new(lim.outbound_queue),
+        busy: Cell::new(false),
+        w,
+    });
+    let out = Outbound { conn: c.clone() };
     info!(session = id, transport = %peer.transport, pid = peer.pid, uid = peer.uid, gid = peer.gid,
         addr = peer.addr.as_deref(), "session connected");
     {
         let mut drv = d.borrow_mut();
         drv.metrics.connections.inc();
         drv.sessions.insert(id, out);
-        drv.peers.insert(id, peer.clone());
+        drv.peers.insert(id, (peer.pid, peer.uid));
         drv.feed(Input::Connect { session: id, peer });
     }
+    conn_task(d, lim, id, r, c)
+}
+
+/// A connection's task: reads its requests, writes what its queue holds, ends it.
+///
+/// Its future is what every connection costs, whatever it does: it keeps inline only what
+/// it needs all the time (read readiness and the queue's wakeup, both polled without a waiter
+/// node of their own); the idle timer and the wait of a write the socket did not take at
+/// once are boxed, and the timer is freed at the first request.
+async fn conn_task<R, W>(
+    d: Shared,
+    lim: Rc<ServeConfig>,
+    id: SessionId,
+    mut r: R,
+    c: Rc<ConnShared<W>>,
+) where
+    R: ConnRead,
+    W: SharedWrite,
+{
     // No read buffer up front: the line buffer is offered to the socket only once it is
     // readable, and grows (and shrinks back) with what the peer sends.
     let mut lb = LineBuf::new(lim.max_line);
     let mut fds: Vec<std::os::fd::OwnedFd> = Vec::new();
-    let mut got_request = false;
-    let idle = tokio::time::sleep(lim.idle_timeout);
-    tokio::pin!(idle);
+    // Boxed and freed at the first request: most connections live long past it.
+    let mut idle: IdleTimer = Some(Box::pin(tokio::time::sleep(lim.idle_timeout)));
     let rate = f64::from(lim.rate_limit.max(1));
     let mut bucket = Bucket {
         tokens: rate,
@@ -1155,19 +1269,19 @@ where
     };
     let reason: String = 'outer: loop {
         tokio::select! {
-            m = queue.pop() => match m {
+            m = c.queue.pop() => match m {
                 Some(mut line) => {
                     // The driver must not write past these bytes until they are out.
-                    busy.set(true);
+                    c.busy.set(true);
                     // Coalesce whatever else is queued for this session into one write.
                     while line.len() < 64 * 1024 {
-                        match queue.try_pop() {
+                        match c.queue.try_pop() {
                             Some(more) => line.push_str(&more),
                             None => break,
                         }
                     }
-                    let r = tokio::time::timeout(lim.write_timeout, write_all_shared(&*w, line.as_bytes())).await;
-                    busy.set(false);
+                    let r = write_all_bounded(&c.w, line.as_bytes(), lim.write_timeout).await;
+                    c.busy.set(false);
                     match r {
                         Ok(Ok(())) => {}
                         Ok(Err(e)) => break format!("write failed: {e}"),
@@ -1201,22 +1315,23 @@ where
                         Err(e) => {
                             d.borrow().metrics.bad_requests.inc();
                             warn!(session = id, max = e.max, "line too long; disconnecting");
-                            let ev = Event::error(ErrorCode::LineTooLong, e.to_string(), None);
-                            busy.set(true); // closing: the driver writes nothing more here
-                            let _ = write_all_shared(&*w, ev.encode().as_bytes()).await;
+                            let ev = Event::error(ErrorCode::LineTooLong, e.to_string(), None).encode();
+                            c.busy.set(true); // closing: the driver writes nothing more here
+                            let _ = write_all_bounded(&c.w, ev.as_bytes(), lim.write_timeout).await;
                             break 'outer "line too long".into();
                         }
                     };
                     if line.iter().all(|b| b.is_ascii_whitespace()) {
                         continue;
                     }
-                    got_request = true;
+                    // The first request frees the idle timer.
+                    idle = None;
                     if !bucket.take() {
                         d.borrow().metrics.bad_requests.inc();
                         warn!(session = id, rate = lim.rate_limit, "request flood; disconnecting");
-                        let ev = Event::error(ErrorCode::RateLimited, format!("more than {} requests/s", lim.rate_limit), None);
-                        busy.set(true); // closing: the driver writes nothing more here
-                        let _ = write_all_shared(&*w, ev.encode().as_bytes()).await;
+                        let ev = Event::error(ErrorCode::RateLimited, format!("more than {} requests/s", lim.rate_limit), None).encode();
+                        c.busy.set(true); // closing: the driver writes nothing more here
+                        let _ = write_all_bounded(&c.w, ev.as_bytes(), lim.write_timeout).await;
                         break 'outer "rate limited".into();
                     }
                     match proto::decode_request(&line, lim.max_line) {
@@ -1229,7 +1344,7 @@ where
                                     check_anchor(&fd).map(|k| (k, fd))
                                 }
                             } else {
-                                Err(format!("anchors need a unix socket, not {}", peer_transport(&d, id)))
+                                Err(format!("anchors need a unix socket, not {}", R::TRANSPORT))
                             };
                             match fd {
                                 Ok((kind, fd)) => {
@@ -1258,11 +1373,11 @@ where
                     }
                 }
             }
-            _ = &mut idle, if !got_request => {
+            _ = idle_fired(&mut idle), if idle.is_some() => {
                 warn!(session = id, "no request within the idle timeout; disconnecting");
-                let ev = Event::error(ErrorCode::IdleTimeout, format!("no request within {:?}", lim.idle_timeout), None);
-                busy.set(true); // closing: the driver writes nothing more here
-                let _ = write_all_shared(&*w, ev.encode().as_bytes()).await;
+                let ev = Event::error(ErrorCode::IdleTimeout, format!("no request within {:?}", lim.idle_timeout), None).encode();
+                c.busy.set(true); // closing: the driver writes nothing more here
+                let _ = write_all_bounded(&c.w, ev.as_bytes(), lim.write_timeout).await;
                 break "idle timeout".into();
             }
         }
@@ -1279,17 +1394,60 @@ where
     }
 }
 
-fn peer_transport(d: &Shared, id: SessionId) -> String {
-    d.borrow()
-        .peers
-        .get(&id)
-        .map_or_else(|| "this transport".into(), |p| p.transport.clone())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::fd::{AsRawFd, OwnedFd};
+
+    /// Most bytes a connection task's future may take in a debug build (400 now; 1,160
+    /// with the idle timer, a waiting write with its timer, the peer's identity and a
+    /// waiter node for readiness and for the queue's wakeup, all inline).
+    const CONN_FUTURE_MAX: usize = 512;
+
+    #[test]
+    fn the_driver_reaches_a_connection_through_one_shared_allocation() {
+        // One (fat) pointer per session in the driver's map, to one allocation shared with
+        // the task: not a queue, a flag, a write half and a closure allocated apart.
+        assert_eq!(
+            std::mem::size_of::<Outbound>(),
+            2 * std::mem::size_of::<usize>()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_connection_task_keeps_what_it_rarely_needs_out_of_its_future() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = ServeConfig::new(
+            vec![Endpoint::Unix(dir.path().join("lockd.sock"))],
+            dir.path().join("state.json"),
+        );
+        let server = Server::bind(cfg).await.unwrap();
+        let lim = Rc::new(server.cfg.clone());
+        let (_a, b) = tokio::net::UnixStream::pair().unwrap();
+        let (r, w) = b.into_split();
+        let unix = conn(
+            server.driver.clone(),
+            lim.clone(),
+            1,
+            PeerInfo::default(),
+            r,
+            w,
+        );
+        let (_l, t) = {
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let c = tokio::net::TcpStream::connect(l.local_addr().unwrap());
+            let (c, a) = tokio::join!(c, l.accept());
+            (a.unwrap().0, c.unwrap())
+        };
+        let (r, w) = t.into_split();
+        let tcp = conn(server.driver.clone(), lim, 2, PeerInfo::default(), r, w);
+        let (su, st) = (std::mem::size_of_val(&unix), std::mem::size_of_val(&tcp));
+        eprintln!("connection task future: unix {su} bytes, tcp {st} bytes");
+        assert!(
+            su <= CONN_FUTURE_MAX && st <= CONN_FUTURE_MAX,
+            "unix {su}, tcp {st} > {CONN_FUTURE_MAX} bytes"
+        );
+    }
 
     #[tokio::test]
     async fn every_descriptor_of_a_read_is_owned_even_past_the_anchor_limit() {

@@ -7,7 +7,6 @@
 //! Ended leases are remembered as [`Tombstone`]s (bounded in count and age, persisted), so
 //! `lease` tells `expired` from `revoked` from `released` from `unknown` after the end.
 
-use std::collections::BTreeSet;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -656,7 +655,7 @@ impl Core {
 
     /// A session is gone: its waiting requests are withdrawn, its bound leases end, its
     /// timed leases live on without a session.
-    pub(super) fn end_session_leases(&mut self, now: Now, ids: &BTreeSet<u64>) {
+    pub(super) fn end_session_leases(&mut self, now: Now, ids: &super::smallset::SmallSet<u64>) {
         for id in ids {
             let Some(l) = self.kl.get(id).cloned() else {
                 continue;
@@ -676,7 +675,7 @@ impl Core {
 
     /// A session's connection closed but its anchors keep it: its waiting requests are
     /// withdrawn (nobody could be told of a grant); its leases stay.
-    pub(super) fn withdraw_waiting(&mut self, now: Now, ids: &BTreeSet<u64>) {
+    pub(super) fn withdraw_waiting(&mut self, now: Now, ids: &super::smallset::SmallSet<u64>) {
         for id in ids {
             if self.kl.get(id).is_some_and(|l| !l.granted) {
                 let kind = self.kl[id].kind;

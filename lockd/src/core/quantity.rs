@@ -632,4 +632,24 @@ mod tests {
             [Event::Offered { .. }]
         ));
     }
+
+    #[test]
+    fn the_offers_file_is_applied_and_no_copy_of_it_is_kept() {
+        let offers = crate::offers_file::parse(
+            r#"{"gpus":[{"name":"a","quantity":2,"attributes":{"m":"h100"}},{"name":"b","quantity":1}]}"#,
+        )
+        .unwrap();
+        let cfg = crate::core::Config {
+            offers,
+            ..Default::default()
+        };
+        let mut now = H::new().now();
+        now.unix_ms = 1;
+        let core = crate::core::Core::new(cfg, PersistedState::default(), now, 1).unwrap();
+        assert!(core.cfg.offers.is_empty(), "the core keeps the pools only");
+        let pools = core.status(now, false).pools;
+        assert_eq!(pools.len(), 1);
+        let names: Vec<&str> = pools[0].offers.iter().map(|o| o.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+    }
 }

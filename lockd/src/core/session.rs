@@ -1,8 +1,7 @@
 //! Sessions: connections, their anchors, and what happens to their leases and queued
 //! acquires when a connection (or its last anchor) closes.
 
-use std::collections::BTreeSet;
-
+use super::smallset::SmallSet;
 use super::{Core, Now, SessionId};
 use crate::proto::{Event, PeerInfo};
 
@@ -12,9 +11,9 @@ pub(super) struct Session {
     /// Who is connected (SO_PEERCRED / address).
     pub peer: PeerInfo,
     /// Resources it holds.
-    pub holds: BTreeSet<String>,
+    pub holds: SmallSet<String>,
     /// Resources it waits for.
-    pub waits: BTreeSet<String>,
+    pub waits: SmallSet<String>,
     /// Receives notices.
     pub watching: bool,
     /// Its connection is open (false: kept alive by anchors only).
@@ -22,9 +21,9 @@ pub(super) struct Session {
     /// Open anchors.
     pub anchors: u32,
     /// Version-2 leases and waiting requests whose events go to this session.
-    pub leases: BTreeSet<u64>,
+    pub leases: SmallSet<u64>,
     /// Gangs it holds or waits for.
-    pub gangs: BTreeSet<u64>,
+    pub gangs: SmallSet<u64>,
 }
 
 impl Core {
@@ -33,16 +32,16 @@ impl Core {
         self.watchers.remove(&session);
         self.sessions.insert(
             session,
-            Session {
+            Box::new(Session {
                 peer,
-                holds: BTreeSet::new(),
-                waits: BTreeSet::new(),
+                holds: SmallSet::new(),
+                waits: SmallSet::new(),
                 watching: false,
                 connected: true,
                 anchors: 0,
-                leases: BTreeSet::new(),
-                gangs: BTreeSet::new(),
-            },
+                leases: SmallSet::new(),
+                gangs: SmallSet::new(),
+            }),
         );
         self.send(
             session,

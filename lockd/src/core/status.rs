@@ -7,20 +7,68 @@ use super::table::LeaseState;
 use super::{Core, Now};
 use crate::proto::{self, ResourceReport, SessionReport, StatusReport};
 
+/// What a resource's version-2 leases show in `status`: the most recent grant, the holders
+/// and the waiters (the first `cap` names of each, in lease id order, and how many).
+#[derive(Default)]
+struct KindOn<'a> {
+    /// The kind of the leases (a resource has one kind at a time).
+    kind: Option<proto::LeaseKind>,
+    /// The granted lease with the highest epoch.
+    latest: Option<&'a KindLease>,
+    /// Holder names of the granted leases (at most `cap`).
+    holders: Vec<&'a str>,
+    /// How many granted leases.
+    holder_n: usize,
+    /// Holder names of the waiting requests (at most `cap`).
+    waiters: Vec<&'a str>,
+    /// How many waiting requests.
+    waiter_n: usize,
+}
+
 impl Core {
-    /// The status report as of `now`.
+    /// The status report as of `now`: the full one (`with_sessions`), or the summary, which
+    /// lists no session and no version-2 lease and, per resource, only the first
+    /// [`proto::STATUS_SUMMARY_NAMES`] waiters and holders with their counts.
     pub fn status(&self, now: Now, with_sessions: bool) -> StatusReport {
-        // Version-2 leases by resource, in one pass (O(n log n), not O(resources × leases)).
-        let mut by_res: BTreeMap<&str, Vec<&KindLease>> = BTreeMap::new();
+        let cap = if with_sessions {
+            usize::MAX
+        } else {
+            proto::STATUS_SUMMARY_NAMES
+        };
+        // Version-2 leases by resource, in one pass (O(n log n), not O(resources × leases));
+        // names past `cap` are counted, not collected. (A hash map was slower here: hashing
+        // 10,000 names cost more than comparing them down this tree.)
+        let mut by_res: BTreeMap<&str, KindOn<'_>> = BTreeMap::new();
         for l in self.kl.values() {
-            by_res.entry(l.resource.as_str()).or_default().push(l);
+            let on = by_res.entry(l.resource.as_str()).or_default();
+            on.kind = Some(l.kind);
+            if l.granted {
+                on.holder_n += 1;
+                if on.holders.len() < cap {
+                    on.holders.push(&l.holder);
+                }
+                if on.latest.is_none_or(|x| l.epoch >= x.epoch) {
+                    on.latest = Some(l);
+                }
+            } else {
+                on.waiter_n += 1;
+                if on.waiters.len() < cap {
+                    on.waiters.push(&l.holder);
+                }
+            }
         }
         let resources = self
             .table
             .resources
             .iter()
             .map(|(name, r)| {
-                let waiters = r.waiters.iter().map(|w| w.holder.clone()).collect();
+                let waiters = r
+                    .waiters
+                    .iter()
+                    .take(cap)
+                    .map(|w| w.holder.clone())
+                    .collect();
+                let waiter_count = (!with_sessions).then_some(r.waiters.len());
                 match &r.lease {
                     LeaseState::Free => ResourceReport {
                         name: name.clone(),
@@ -35,6 +83,8 @@ impl Core {
                         reclaim_remaining_ms: None,
                         kind: None,
                         holders: Vec::new(),
+                        waiter_count,
+                        holder_count: None,
                     },
                     LeaseState::Held(l) => ResourceReport {
                         name: name.clone(),
@@ -49,6 +99,8 @@ impl Core {
                         reclaim_remaining_ms: None,
                         kind: None,
                         holders: Vec::new(),
+                        waiter_count,
+                        holder_count: None,
                     },
                     LeaseState::Reclaiming { lease, deadline } => ResourceReport {
                         name: name.clone(),
@@ -65,11 +117,13 @@ impl Core {
                         ),
                         kind: None,
                         holders: Vec::new(),
+                        waiter_count,
+                        holder_count: None,
                     },
                 }
             })
             .map(|rep| match by_res.get(rep.name.as_str()) {
-                Some(on) => self.with_kind_holders(rep, on),
+                Some(on) => self.with_kind_holders(rep, on, with_sessions),
                 None => rep,
             })
             .collect();
@@ -97,19 +151,26 @@ impl Core {
 
     /// A resource used by a version-2 kind shows that kind's holders and waiters (the
     /// exclusive table sees it free).
-    fn with_kind_holders(&self, mut rep: ResourceReport, on: &[&KindLease]) -> ResourceReport {
-        let kind = match self.kind_in_use(&rep.name) {
+    fn with_kind_holders(
+        &self,
+        mut rep: ResourceReport,
+        on: &KindOn<'_>,
+        with_sessions: bool,
+    ) -> ResourceReport {
+        // As `kind_in_use` says, without its lookups in every kind's table for each
+        // resource: the version-1 table first (held, or queued for), else the kind of the
+        // resource's leases.
+        if rep.state != proto::LeaseState::Free || !rep.waiters.is_empty() {
+            return rep;
+        }
+        let kind = match on.kind {
             Some(k) if k != proto::LeaseKind::Exclusive => k,
             _ => return rep,
         };
         rep.kind = Some(kind);
-        let held: Vec<&&KindLease> = on.iter().filter(|l| l.granted).collect();
-        rep.waiters = on
-            .iter()
-            .filter(|l| !l.granted)
-            .map(|l| l.holder.clone())
-            .collect();
-        if let Some(first) = held.iter().max_by_key(|l| l.epoch) {
+        rep.waiters = on.waiters.iter().map(|h| h.to_string()).collect();
+        rep.waiter_count = (!with_sessions).then_some(on.waiter_n);
+        if let Some(first) = on.latest {
             rep.state = proto::LeaseState::Held;
             rep.holder = Some(first.holder.clone());
             rep.epoch = first.epoch;
@@ -118,7 +179,8 @@ impl Core {
             rep.revoked = first.revoked.is_some();
         }
         if kind != proto::LeaseKind::Ttl {
-            rep.holders = held.iter().map(|l| l.holder.clone()).collect();
+            rep.holders = on.holders.iter().map(|h| h.to_string()).collect();
+            rep.holder_count = (!with_sessions).then_some(on.holder_n);
         }
         rep
     }
@@ -223,7 +285,80 @@ mod tests {
         let json = serde_json::to_string(h.st().resources.iter().find(|r| r.name == "x").unwrap())
             .unwrap();
         assert!(
-            !json.contains("kind") && !json.contains("holders"),
+            !json.contains("kind") && !json.contains("holders") && !json.contains("_count"),
+            "{json}"
+        );
+    }
+
+    #[test]
+    fn the_summary_lists_the_first_waiters_and_holders_and_counts_them_all() {
+        let n = proto::STATUS_SUMMARY_NAMES;
+        let mut h = H::new();
+        // v1 "e": one holder, n + 3 waiters; ttl "t": one holder, n + 3 waiters; shared
+        // "s": n + 2 readers, one writer waiting.
+        let mut s = 0;
+        let mut next = || {
+            s += 1;
+            s
+        };
+        for i in 0..n + 4 {
+            let id = next();
+            h.connect(id, "unix");
+            h.req(id, acq("e", &format!("e{i}"), true));
+            let id = next();
+            h.connect(id, "unix");
+            h.req(id, acq_ttl("t", &format!("t{i}"), 60_000, true));
+        }
+        for i in 0..n + 2 {
+            let id = next();
+            h.connect(id, "unix");
+            h.req(id, acq_shared("s", &format!("r{i}"), true, None));
+        }
+        let id = next();
+        h.connect(id, "unix");
+        h.req(id, acq_shared("s", "w", false, None));
+        let names = |p: &str, r: std::ops::Range<usize>| -> Vec<String> {
+            r.map(|i| format!("{p}{i}")).collect()
+        };
+        let full = h.core.status(h.now(), true);
+        let sum = h.core.status(h.now(), false);
+        let res = |st: &proto::StatusReport, r: &str| {
+            st.resources.iter().find(|x| x.name == r).unwrap().clone()
+        };
+        // Full: every name, no counts (its shape is unchanged).
+        assert_eq!(res(&full, "e").waiters, names("e", 1..n + 4));
+        assert_eq!(res(&full, "t").waiters, names("t", 1..n + 4));
+        assert_eq!(res(&full, "s").holders, names("r", 0..n + 2));
+        for r in ["e", "t", "s"] {
+            let x = res(&full, r);
+            assert_eq!((x.waiter_count, x.holder_count), (None, None), "{r}");
+        }
+        // Summary: the first n names in grant order, and how many there are.
+        let (e, t, sh) = (res(&sum, "e"), res(&sum, "t"), res(&sum, "s"));
+        assert_eq!(
+            (e.waiters, e.waiter_count, e.holder_count),
+            (names("e", 1..n + 1), Some(n + 3), None)
+        );
+        assert_eq!(e.holder.as_deref(), Some("e0"));
+        assert_eq!(
+            (t.waiters, t.waiter_count, t.holder_count),
+            (names("t", 1..n + 1), Some(n + 3), None)
+        );
+        assert_eq!(
+            (sh.holders, sh.holder_count, sh.waiters, sh.waiter_count),
+            (
+                names("r", 0..n),
+                Some(n + 2),
+                vec!["w".to_string()],
+                Some(1)
+            )
+        );
+        // Everything else is as in the full report.
+        assert_eq!(sh.holder, res(&full, "s").holder);
+        assert_eq!(sh.epoch, res(&full, "s").epoch);
+        let json = serde_json::to_string(&res(&sum, "e")).unwrap();
+        assert!(
+            json.ends_with(&format!(r#""waiter_count":{}}}"#, n + 3)),
             "{json}"
         );
     }
