@@ -205,12 +205,9 @@ pub struct Core {
     reservation_deadlines: BTreeSet<(Instant, String)>,
     /// The wait-for graph of sessions (exclusive leases and gangs).
     waitfor: crate::kinds::waitfor::WaitForGraph,
-    /// What the graph holds for each resource (its node, holder and waiters).
-    synced: BTreeMap<String, deadlock::Synced>,
-    /// Resource names by their node id in the graph.
-    res_of_node: BTreeMap<u64, String>,
-    /// Last resource node number handed out.
-    next_res_node: u64,
+    /// The graph's per-session bookkeeping (what each resource has in the graph is kept
+    /// in the table).
+    graph: deadlock::GraphSync,
     /// Gangs granted or waiting, by gang id.
     gangs: BTreeMap<u64, gang::Gang>,
     /// Deadlines of waiting gangs with a timeout: (deadline, gang id).
@@ -323,9 +320,7 @@ impl Core {
             gangs: BTreeMap::new(),
             gang_deadlines: BTreeSet::new(),
             waitfor: crate::kinds::waitfor::WaitForGraph::new(),
-            synced: BTreeMap::new(),
-            res_of_node: BTreeMap::new(),
-            next_res_node: 0,
+            graph: deadlock::GraphSync::default(),
             reservations: BTreeMap::new(),
             reservation_deadlines: BTreeSet::new(),
             boot_dirty: false,

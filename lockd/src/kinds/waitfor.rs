@@ -120,7 +120,7 @@ const DENSITY_BASE: f64 = 2.0 / 1.4;
 /// A fast hasher for the graph's integer keys (slots and session ids, both chosen by lockd,
 /// never by a client): one multiply and a fold, instead of SipHash.
 #[derive(Debug, Default, Clone, Copy)]
-struct IdHasher(u64);
+pub(crate) struct IdHasher(u64);
 
 impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
@@ -143,7 +143,7 @@ impl Hasher for IdHasher {
     }
 }
 
-type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
+pub(crate) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 type IdSet<K> = HashSet<K, BuildHasherDefault<IdHasher>>;
 
 /// One session with edges.
