@@ -1151,9 +1151,11 @@ where
                         Err(e) => {
                             d.borrow().metrics.bad_requests.inc();
                             warn!(session = id, max = e.max, "line too long; disconnecting");
-                            let ev = Event::error(ErrorCode::LineTooLong, e.to_string(), None);
+                            // Encoded before the write is awaited: only the line lives
+                            // across the await (a smaller connection task future).
+                            let line = Event::error(ErrorCode::LineTooLong, e.to_string(), None).encode();
                             busy.set(true); // closing: the driver writes nothing more here
-                            let _ = write_all_shared(&*w, ev.encode().as_bytes()).await;
+                            let _ = write_all_shared(&*w, line.as_bytes()).await;
                             break 'outer "line too long".into();
                         }
                     };
@@ -1164,9 +1166,9 @@ where
                     if !bucket.take() {
                         d.borrow().metrics.bad_requests.inc();
                         warn!(session = id, rate = lim.rate_limit, "request flood; disconnecting");
-                        let ev = Event::error(ErrorCode::RateLimited, format!("more than {} requests/s", lim.rate_limit), None);
+                        let line = Event::error(ErrorCode::RateLimited, format!("more than {} requests/s", lim.rate_limit), None).encode();
                         busy.set(true); // closing: the driver writes nothing more here
-                        let _ = write_all_shared(&*w, ev.encode().as_bytes()).await;
+                        let _ = write_all_shared(&*w, line.as_bytes()).await;
                         break 'outer "rate limited".into();
                     }
                     match proto::decode_request(&line, lim.max_line) {
@@ -1210,9 +1212,9 @@ where
             }
             _ = &mut idle, if !got_request => {
                 warn!(session = id, "no request within the idle timeout; disconnecting");
-                let ev = Event::error(ErrorCode::IdleTimeout, format!("no request within {:?}", lim.idle_timeout), None);
+                let line = Event::error(ErrorCode::IdleTimeout, format!("no request within {:?}", lim.idle_timeout), None).encode();
                 busy.set(true); // closing: the driver writes nothing more here
-                let _ = write_all_shared(&*w, ev.encode().as_bytes()).await;
+                let _ = write_all_shared(&*w, line.as_bytes()).await;
                 break "idle timeout".into();
             }
         }
