@@ -1266,7 +1266,7 @@ pub enum Event {
         holder: Option<String>,
     },
     /// Answer to status.
-    Status(StatusReport),
+    Status(Box<StatusReport>),
     /// Answer to watch; notices follow.
     Watching {},
     /// A lease change (watchers only).
@@ -1329,7 +1329,7 @@ pub enum Event {
         reason: String,
     },
     /// Version 2: answer to `lease`.
-    Lease(LeaseReport),
+    Lease(Box<LeaseReport>),
     /// Version 2: answer to `leases`.
     Leases {
         /// Live leases (and waiting requests), by lease id.
@@ -1340,7 +1340,7 @@ pub enum Event {
         /// The pool.
         pool: String,
         /// The offer as now set.
-        offer: OfferReport,
+        offer: Box<OfferReport>,
         /// Leases whose renewals are now refused (the offer shrank below its allocations).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         renewal_refused: Vec<u64>,
@@ -1645,7 +1645,7 @@ mod tests {
             assert_eq!(json, want);
             let back: ResourceReport = serde_json::from_str(&json).unwrap();
             assert_eq!(back.state, state);
-            let status = Event::Status(StatusReport {
+            let status = Event::Status(Box::new(StatusReport {
                 resources: vec![report],
                 counters: Counters::default(),
                 sessions: vec![],
@@ -1655,7 +1655,7 @@ mod tests {
                 counters_by_kind: BTreeMap::new(),
                 deadlocks: vec![],
                 lease_count: None,
-            })
+            }))
             .encode();
             assert!(status.contains(&format!(r#""state":"{wire}""#)), "{status}");
             assert_eq!(decode_event(status.as_bytes()).unwrap().encode(), status);
@@ -1690,7 +1690,7 @@ mod tests {
             Event::Watching {},
             Event::Pong {},
             Event::error(ErrorCode::NotHolder, "x", Some("r")),
-            Event::Status(StatusReport {
+            Event::Status(Box::new(StatusReport {
                 resources: vec![],
                 counters: Counters::default(),
                 sessions: vec![],
@@ -1700,7 +1700,7 @@ mod tests {
                 counters_by_kind: BTreeMap::new(),
                 deadlocks: vec![],
                 lease_count: None,
-            }),
+            })),
         ];
         for e in evs {
             let line = e.encode();

@@ -621,7 +621,7 @@ impl Core {
             }
             Request::Status { sessions } => {
                 let st = self.status(now, sessions.unwrap_or(true));
-                self.send(s, Event::Status(st));
+                self.send(s, Event::Status(Box::new(st)));
             }
             Request::Renew {
                 lease_id,
@@ -632,7 +632,7 @@ impl Core {
             Request::Resume { lease_id, token } => self.resume(now, s, lease_id, token),
             Request::Lease { lease_id } => {
                 let r = self.lease_report(now, lease_id);
-                self.send(s, Event::Lease(r));
+                self.send(s, Event::Lease(Box::new(r)));
             }
             Request::Leases { resource, holder } => {
                 let leases = self.lease_reports(now, resource.as_deref(), holder.as_deref());
