@@ -1396,10 +1396,119 @@ impl Event {
 
     /// Encode as one line, newline included.
     pub fn encode(&self) -> String {
+        self.encode_v1_fast().unwrap_or_else(|| self.encode_serde())
+    }
+
+    /// [`Event::encode`] through serde alone (what the fast path must match byte for byte).
+    fn encode_serde(&self) -> String {
         let mut s = serde_json::to_string(self).unwrap_or_else(|_| "{}".into());
         s.push('\n');
         s
     }
+
+    /// The events of a version-1 hand-over (`granted`, `queued`, `released` without any
+    /// version-2 field), written by hand, byte for byte as serde writes them
+    /// (`fast_encoding_is_serdes_byte_for_byte`); `None` for every other event.
+    fn encode_v1_fast(&self) -> Option<String> {
+        use std::fmt::Write;
+        let mut s = String::with_capacity(160);
+        match self {
+            Event::Granted {
+                resource,
+                holder,
+                epoch,
+                token,
+                reclaimed,
+                lease,
+            } if lease.is_v1() => {
+                s.push_str("{\"event\":\"granted\",\"resource\":");
+                push_json_str(&mut s, resource);
+                s.push_str(",\"holder\":");
+                push_json_str(&mut s, holder);
+                let _ = write!(s, ",\"epoch\":{epoch},\"token\":");
+                push_json_str(&mut s, token);
+                let _ = write!(s, ",\"reclaimed\":{reclaimed}}}");
+            }
+            Event::Queued {
+                resource,
+                position,
+                lease_id: None,
+            } => {
+                s.push_str("{\"event\":\"queued\",\"resource\":");
+                push_json_str(&mut s, resource);
+                let _ = write!(s, ",\"position\":{position}}}");
+            }
+            Event::Released {
+                resource,
+                epoch,
+                lease_id: None,
+            } => {
+                s.push_str("{\"event\":\"released\",\"resource\":");
+                push_json_str(&mut s, resource);
+                let _ = write!(s, ",\"epoch\":{epoch}}}");
+            }
+            _ => return None,
+        }
+        s.push('\n');
+        Some(s)
+    }
+}
+
+impl LeaseFields {
+    /// No version-2 field: a version-1 lease.
+    fn is_v1(&self) -> bool {
+        let LeaseFields {
+            lease_id,
+            kind,
+            mode,
+            version,
+            ttl_ms,
+            expires_at_unix_ms,
+            quantity,
+            allocations,
+        } = self;
+        lease_id.is_none()
+            && kind.is_none()
+            && mode.is_none()
+            && version.is_none()
+            && ttl_ms.is_none()
+            && expires_at_unix_ms.is_none()
+            && quantity.is_none()
+            && allocations.is_none()
+    }
+}
+
+/// Appends `v` as a JSON string, escaped as serde_json escapes it: `"` and `\`, the
+/// control characters below 0x20 (`\b \t \n \f \r` by name, the others as `\u00XX`),
+/// nothing else.
+fn push_json_str(s: &mut String, v: &str) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    s.push('"');
+    let mut start = 0;
+    for (i, b) in v.bytes().enumerate() {
+        let esc: &str = match b {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            0x08 => "\\b",
+            0x09 => "\\t",
+            0x0a => "\\n",
+            0x0c => "\\f",
+            0x0d => "\\r",
+            0..=0x1f => "",
+            _ => continue,
+        };
+        s.push_str(&v[start..i]);
+        if esc.is_empty() {
+            s.push_str("\\u00");
+            s.push(char::from(HEX[usize::from(b >> 4)]));
+            s.push(char::from(HEX[usize::from(b & 15)]));
+        } else {
+            s.push_str(esc);
+        }
+        start = i + 1;
+    }
+    s.push_str(&v[start..]);
+    s.push('"');
 }
 
 /// Decode one event line (client side). Never panics.
@@ -1486,7 +1595,10 @@ mod tests {
         for (ni, n) in good_names.iter().enumerate() {
             for sp in spaces {
                 let h = good_names[(ni + 2) % good_names.len()];
-                let (r, hk) = (format!("{sp}\"resource\"{sp}:{sp}\"{n}\""), format!("\"holder\":{sp}\"{h}\""));
+                let (r, hk) = (
+                    format!("{sp}\"resource\"{sp}:{sp}\"{n}\""),
+                    format!("\"holder\":{sp}\"{h}\""),
+                );
                 for w in ["", ",\"wait\":true", ",\"wait\" : false"] {
                     lines.push(format!("{{\"op\":\"acquire\",{r},{hk}{w}}}"));
                     lines.push(format!("{{{r},{sp}\"op\":\"acquire\"{w},{hk}{sp}}}"));
@@ -1546,6 +1658,93 @@ mod tests {
     }
 
     #[test]
+    fn fast_encoding_is_serdes_byte_for_byte() {
+        let mut names: Vec<String> = [
+            "gpu0",
+            "",
+            "a\"b",
+            "back\\slash",
+            "/slash/",
+            "é日本",
+            "\u{7f}del",
+            "\u{2028}",
+            "emoji 🦀",
+            "tab\tnl\ncr\rff\u{c}bs\u{8}",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        // Every control character, and each next to ordinary text.
+        for c in 0u8..0x20 {
+            names.push(char::from(c).to_string());
+            names.push(format!("x{}y", char::from(c)));
+        }
+        let mut n = 0;
+        for (i, r) in names.iter().enumerate() {
+            let h = &names[(i * 7 + 3) % names.len()];
+            for num in [0u64, 1, 42, u64::MAX] {
+                let evs = [
+                    Event::Granted {
+                        resource: r.clone(),
+                        holder: h.clone(),
+                        epoch: num,
+                        token: h.clone(),
+                        reclaimed: num % 2 == 1,
+                        lease: LeaseFields::default(),
+                    },
+                    Event::Queued {
+                        resource: r.clone(),
+                        position: num as usize,
+                        lease_id: None,
+                    },
+                    Event::Released {
+                        resource: r.clone(),
+                        epoch: num,
+                        lease_id: None,
+                    },
+                ];
+                for ev in evs {
+                    assert!(ev.encode_v1_fast().is_some());
+                    assert_eq!(ev.encode(), ev.encode_serde(), "{ev:?}");
+                    n += 1;
+                }
+            }
+        }
+        assert!(n > 700, "{n}");
+        // Anything version 2 is left to serde.
+        let v2 = [
+            Event::Granted {
+                resource: "r".into(),
+                holder: "h".into(),
+                epoch: 1,
+                token: "t".into(),
+                reclaimed: false,
+                lease: LeaseFields {
+                    lease_id: Some(3),
+                    ..LeaseFields::default()
+                },
+            },
+            Event::Queued {
+                resource: "r".into(),
+                position: 1,
+                lease_id: Some(3),
+            },
+            Event::Released {
+                resource: "r".into(),
+                epoch: 1,
+                lease_id: Some(3),
+            },
+            Event::Cancelled {
+                resource: "r".into(),
+            },
+        ];
+        for ev in v2 {
+            assert!(ev.encode_v1_fast().is_none());
+            assert_eq!(ev.encode(), ev.encode_serde());
+        }
+    }
+
+    #[test]
     fn fast_path_agrees_with_serde() {
         let lines = fast_path_lines();
         assert!(lines.len() >= 1_700, "{} lines", lines.len());
@@ -1554,7 +1753,11 @@ mod tests {
             if let Some(r) = decode_v1_fast(l) {
                 fast += 1;
                 let s = serde_json::from_str::<Request>(l);
-                assert_eq!(s.as_ref().ok(), Some(&r), "fast path disagrees on {l:?}: {s:?}");
+                assert_eq!(
+                    s.as_ref().ok(),
+                    Some(&r),
+                    "fast path disagrees on {l:?}: {s:?}"
+                );
             }
             // The whole decoder (fast path, then serde) answers as serde alone does.
             assert_eq!(
@@ -1564,7 +1767,11 @@ mod tests {
             );
         }
         // Not vacuous: the fast path took a good share of the lines, and refused others.
-        assert!(fast > 200 && fast < lines.len() / 2, "{fast} of {}", lines.len());
+        assert!(
+            fast > 200 && fast < lines.len() / 2,
+            "{fast} of {}",
+            lines.len()
+        );
     }
 
     #[test]
@@ -1793,4 +2000,3 @@ mod tests {
         );
     }
 }
-
