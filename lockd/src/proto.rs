@@ -1410,7 +1410,6 @@ impl Event {
     /// version-2 field), written by hand, byte for byte as serde writes them
     /// (`fast_encoding_is_serdes_byte_for_byte`); `None` for every other event.
     fn encode_v1_fast(&self) -> Option<String> {
-        use std::fmt::Write;
         let mut s = String::with_capacity(160);
         match self {
             Event::Granted {
@@ -1425,9 +1424,15 @@ impl Event {
                 push_json_str(&mut s, resource);
                 s.push_str(",\"holder\":");
                 push_json_str(&mut s, holder);
-                let _ = write!(s, ",\"epoch\":{epoch},\"token\":");
+                s.push_str(",\"epoch\":");
+                push_u64(&mut s, *epoch);
+                s.push_str(",\"token\":");
                 push_json_str(&mut s, token);
-                let _ = write!(s, ",\"reclaimed\":{reclaimed}}}");
+                s.push_str(if *reclaimed {
+                    ",\"reclaimed\":true}"
+                } else {
+                    ",\"reclaimed\":false}"
+                });
             }
             Event::Queued {
                 resource,
@@ -1436,7 +1441,9 @@ impl Event {
             } => {
                 s.push_str("{\"event\":\"queued\",\"resource\":");
                 push_json_str(&mut s, resource);
-                let _ = write!(s, ",\"position\":{position}}}");
+                s.push_str(",\"position\":");
+                push_u64(&mut s, *position as u64);
+                s.push('}');
             }
             Event::Released {
                 resource,
@@ -1445,7 +1452,9 @@ impl Event {
             } => {
                 s.push_str("{\"event\":\"released\",\"resource\":");
                 push_json_str(&mut s, resource);
-                let _ = write!(s, ",\"epoch\":{epoch}}}");
+                s.push_str(",\"epoch\":");
+                push_u64(&mut s, *epoch);
+                s.push('}');
             }
             _ => return None,
         }
@@ -1478,12 +1487,34 @@ impl LeaseFields {
     }
 }
 
+/// Appends `n` in decimal (as serde_json writes integers, without `core::fmt`).
+fn push_u64(s: &mut String, mut n: u64) {
+    let mut buf = [0u8; 20];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    // ASCII digits only.
+    s.push_str(std::str::from_utf8(&buf[i..]).unwrap_or("0"));
+}
+
 /// Appends `v` as a JSON string, escaped as serde_json escapes it: `"` and `\`, the
 /// control characters below 0x20 (`\b \t \n \f \r` by name, the others as `\u00XX`),
 /// nothing else.
 fn push_json_str(s: &mut String, v: &str) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     s.push('"');
+    if !v.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\') {
+        // The usual name or token: nothing to escape.
+        s.push_str(v);
+        s.push('"');
+        return;
+    }
     let mut start = 0;
     for (i, b) in v.bytes().enumerate() {
         let esc: &str = match b {
@@ -1682,7 +1713,7 @@ mod tests {
         let mut n = 0;
         for (i, r) in names.iter().enumerate() {
             let h = &names[(i * 7 + 3) % names.len()];
-            for num in [0u64, 1, 42, u64::MAX] {
+            for num in [0u64, 1, 9, 10, 42, 1_000_000, u64::MAX] {
                 let evs = [
                     Event::Granted {
                         resource: r.clone(),
