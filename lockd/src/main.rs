@@ -212,12 +212,16 @@ struct ServeArgs {
     #[arg(long, env = "LOCKD_BREAK_DEADLOCKS", value_parser = clap::builder::BoolishValueParser::new())]
     break_deadlocks: bool,
     /// Ended version-2 leases remembered (queryable by `lease`) at most this many; each is
-    /// part of every state write, so keep it modest.
+    /// part of every snapshot of the state, so keep it modest.
     #[arg(long, env = "LOCKD_MAX_TOMBSTONES", default_value_t = 1000)]
     max_tombstones: usize,
     /// ... and at most this long.
     #[arg(long, env = "LOCKD_TOMBSTONE_AGE", default_value = "1h", value_parser = humantime::parse_duration)]
     tombstone_age: Duration,
+    /// Write a whole state snapshot (and empty the journal `STATE.journal`) once the journal
+    /// passes this many bytes (default: max(1 MiB, twice the snapshot)).
+    #[arg(long, env = "LOCKD_COMPACT_AFTER")]
+    compact_after: Option<u64>,
     /// Offers of quantity pools to set at startup (JSON, see PROTOCOL.md "Offers file").
     #[arg(long, env = "LOCKD_OFFERS")]
     offers: Option<PathBuf>,
@@ -617,6 +621,7 @@ async fn serve(a: ServeArgs) -> ExitCode {
         max_tombstones: a.max_tombstones,
         break_deadlocks: a.break_deadlocks,
         tombstone_max_age: a.tombstone_age,
+        compact_after: a.compact_after,
         offers: match a.offers.as_deref().map(lockd::offers_file::load) {
             None => Vec::new(),
             Some(Ok(o)) => o,

@@ -73,6 +73,8 @@ pub struct Metrics {
     pub handoff: Histogram,
     /// Time to durably write the state file.
     pub persist: Histogram,
+    /// Whole state snapshots written (the other writes append to the journal).
+    pub snapshots: Counter,
     /// Connections accepted.
     pub connections: Counter,
     /// Requests refused as malformed/unknown/oversized/rate-limited.
@@ -134,6 +136,7 @@ impl Default for Metrics {
             registry: Registry::default(),
             handoff: Histogram::new(HANDOFF_BUCKETS),
             persist: Histogram::new(HANDOFF_BUCKETS),
+            snapshots: Counter::default(),
             connections: Counter::default(),
             bad_requests: Counter::default(),
             busy_poll: Counter::default(),
@@ -198,8 +201,14 @@ impl Default for Metrics {
         register(
             &mut r,
             "lockd_persist_seconds",
-            "Durable state write (tmp+fsync+rename+fsync dir).",
+            "Durable state write (a journal append + fdatasync, or a whole snapshot: tmp+fsync+rename+fsync dir).",
             m.persist.0.clone(),
+        );
+        register(
+            &mut r,
+            counter_name("lockd_state_snapshots_total"),
+            "Whole state snapshots written (at the first write after a start and when the journal outgrows the snapshot; every other write appends to the journal).",
+            m.snapshots.clone(),
         );
         Metrics { registry: r, ..m }
     }
@@ -420,13 +429,14 @@ mod tests {
             ("lockd_handoff_seconds_bucket{le=\"+Inf\"}", 0.0),
             ("lockd_persist_seconds_count", 0.0),
             ("lockd_persist_seconds_bucket{le=\"+Inf\"}", 0.0),
+            ("lockd_state_snapshots_total", 0.0),
         ] {
             assert_eq!(value(&text, series), v, "{series}");
         }
         // Every sample belongs to a documented family; nothing else is exposed.
         let names: std::collections::BTreeSet<String> =
             samples(&text).into_iter().map(|s| s.name).collect();
-        assert_eq!(names.len(), 20, "{names:?}");
+        assert_eq!(names.len(), 21, "{names:?}");
         assert!(text.contains("# TYPE lockd_grants counter\n"), "{text}");
         assert!(text.contains("# TYPE lockd_waiters gauge\n"), "{text}");
         assert!(

@@ -67,6 +67,9 @@ pub struct ServeConfig {
     pub max_tombstones: usize,
     /// ... and at most this long (`--tombstone-age`).
     pub tombstone_max_age: Duration,
+    /// Write a whole snapshot (and empty the journal) once the journal passes this many
+    /// bytes (`--compact-after`; None: max(1 MiB, twice the snapshot)).
+    pub compact_after: Option<u64>,
 }
 
 impl ServeConfig {
@@ -89,6 +92,7 @@ impl ServeConfig {
             offers: Vec::new(),
             max_tombstones: Config::default().max_tombstones,
             tombstone_max_age: Config::default().tombstone_max_age,
+            compact_after: None,
             break_deadlocks: false,
         }
     }
@@ -348,16 +352,43 @@ impl Driver {
 
     /// Durably write the current state if the core asked for a write since the last one,
     /// and acknowledge every request up to the latest to the core (group commit: however
-    /// many requests came since the last write, one snapshot, one write, one fsync).
+    /// many requests came since the last write, one journal line (or snapshot), one write,
+    /// one fsync).
     fn flush_now(&mut self) {
         if self.persist_requested <= self.persist_written || self.fatal.is_some() {
             return;
         }
-        // The snapshot is the core's state now: it covers every request made so far.
+        // The core's state now covers every request made so far.
         let seq = self.persist_requested;
         let t = Instant::now();
-        let state = self.core.snapshot();
-        match self.state.write(&state) {
+        // Everything the core changed since the last write: one journal line. The first
+        // write of this process, one whose change is as big as the state (a mass hand-over),
+        // and one whose line would bring the journal to its compaction bound write the
+        // whole state instead (and empty the journal).
+        let appended = if self.state.wants_snapshot() || self.core.change_is_large() {
+            self.core.drop_delta();
+            Ok(false)
+        } else {
+            let mut delta = self.core.take_delta();
+            self.state.append(&mut delta)
+        };
+        let r = if let Ok(false) = appended {
+            let (compaction, journal_bytes) = (self.state.journal_open(), self.state.journal_len());
+            let state = self.core.snapshot();
+            let r = self.state.write(&state);
+            if r.is_ok() {
+                self.metrics.snapshots.inc();
+                if compaction {
+                    info!(journal_bytes, "journal compacted into a state snapshot");
+                } else {
+                    debug!("state snapshot written (first write since start)");
+                }
+            }
+            r
+        } else {
+            appended.map(|_| ())
+        };
+        match r {
             Ok(()) => {
                 self.metrics.persist.observe(t.elapsed());
                 self.persist_written = seq;
@@ -368,6 +399,23 @@ impl Driver {
                 self.fatal = Some(e);
                 self.fatal_notify.notify_one();
             }
+        }
+    }
+
+    /// A clean stop leaves one whole snapshot and an empty journal (what an operator reads,
+    /// and what a lockd from before the journal can start from).
+    fn snapshot_on_stop(&mut self) {
+        if self.fatal.is_some() || !self.state.journal_open() || self.state.journal_len() == 0 {
+            return;
+        }
+        self.core.drop_delta();
+        let state = self.core.snapshot();
+        match self.state.write(&state) {
+            Ok(()) => {
+                self.metrics.snapshots.inc();
+                info!("journal compacted into a state snapshot at stop");
+            }
+            Err(e) => warn!(error = %e, "state snapshot at stop failed; the journal stays"),
         }
     }
 
@@ -765,7 +813,8 @@ impl Server {
         if cfg.listen.is_empty() {
             return Err(ServeError::NoListener);
         }
-        let (state_file, state) = StateFile::open(&cfg.state)?;
+        let (mut state_file, state) = StateFile::open(&cfg.state)?;
+        state_file.set_compact_after(cfg.compact_after);
         let held: Vec<String> = state
             .resources
             .iter()
@@ -1007,6 +1056,7 @@ impl Server {
                     _ = shutdown => {
                         info!("shutting down");
                         let mut d = driver.borrow_mut();
+                        d.snapshot_on_stop();
                         let ids: Vec<SessionId> = d.sessions.keys().copied().collect();
                         for s in ids {
                             d.send(s, &Event::error(ErrorCode::ShuttingDown, "lockd is stopping", None));

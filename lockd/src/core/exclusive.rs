@@ -46,7 +46,7 @@ impl Core {
             self.send(s, Event::Busy { resource, holder });
         } else {
             let t = self.table.next_ticket();
-            let Some(res) = self.table.resources.get_mut(&resource) else {
+            let Some(res) = self.table.get_noted(&resource) else {
                 return;
             };
             let position = res.waiters.push(
@@ -110,7 +110,7 @@ impl Core {
         token: &str,
         gang: Option<u64>,
     ) -> Option<u64> {
-        let res = self.table.resources.get_mut(resource)?;
+        let res = self.table.get_noted(resource)?;
         res.epoch += 1;
         let epoch = res.epoch;
         let lease_id = self.table.new_lease_id();
@@ -171,7 +171,7 @@ impl Core {
     /// only with all its members; until then the resource stays free, reserved for it (later
     /// acquires queue behind it: a stream of small acquires cannot starve a gang).
     pub(super) fn grant_next(&mut self, now: Now, resource: &str, handoff_from: Option<Instant>) {
-        let Some(res) = self.table.resources.get_mut(resource) else {
+        let Some(res) = self.table.get_noted(resource) else {
             return;
         };
         if !matches!(res.lease, LeaseState::Free) {
@@ -369,7 +369,7 @@ impl Core {
             }),
         );
         // A session that also queued for it (re-queued before reclaiming) is no waiter now.
-        if let Some(res) = self.table.resources.get_mut(&resource) {
+        if let Some(res) = self.table.get_noted(&resource) {
             res.waiters.remove_session(s);
         }
         if let Some(sess) = self.sessions.get_mut(&s) {
@@ -420,7 +420,7 @@ impl Core {
 
     /// `revoke`: mark the lease revoked and tell its holder; it ends only when its session does.
     pub(super) fn revoke(&mut self, now: Now, s: SessionId, resource: String, reason: String) {
-        let Some(res) = self.table.resources.get_mut(&resource) else {
+        let Some(res) = self.table.get_noted(&resource) else {
             return self.error(
                 s,
                 ErrorCode::NotHeld,
@@ -497,7 +497,7 @@ impl Core {
         resource: &str,
         reason: String,
     ) -> Option<(String, u64)> {
-        let LeaseState::Held(l) = &mut self.table.resources.get_mut(resource)?.lease else {
+        let LeaseState::Held(l) = &mut self.table.get_noted(resource)?.lease else {
             return None;
         };
         let first = l.revoked.is_none();

@@ -171,7 +171,7 @@ impl Core {
                         && r.waiters.front().is_some_and(|w| w.gang == Some(id))
                 });
                 if free_first {
-                    if let Some(r) = self.table.resources.get_mut(m) {
+                    if let Some(r) = self.table.get_noted(m) {
                         r.waiters.pop_front();
                     }
                     self.grant_lease(now, m, g.session, &g.holder, &g.token, Some(id));
@@ -190,7 +190,7 @@ impl Core {
         });
         if ready {
             for m in g.members.clone() {
-                if let Some(r) = self.table.resources.get_mut(&m) {
+                if let Some(r) = self.table.get_noted(&m) {
                     r.waiters.pop_front();
                 }
             }
@@ -266,7 +266,7 @@ impl Core {
             }
         } else {
             for m in &g.members {
-                if let Some(r) = self.table.resources.get_mut(m) {
+                if let Some(r) = self.table.get_noted(m) {
                     r.waiters.remove_session(g.session);
                 }
                 self.table.touch(m);

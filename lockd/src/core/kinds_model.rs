@@ -97,6 +97,9 @@ struct Model {
     ms: u64,
     durable: PersistedState,
     unwritten: Option<(u64, PersistedState)>,
+    /// The state as the journal has it: the last whole snapshot written plus every delta
+    /// since (None after a start: the first write is a whole snapshot).
+    journaled: Option<PersistedState>,
     connected: BTreeSet<u64>,
     generation: BTreeMap<u64, u64>,
     /// Every version-2 grant seen: lease id -> (token, resource).
@@ -149,6 +152,7 @@ impl Model {
             ms: 0,
             durable: PersistedState::default(),
             unwritten: None,
+            journaled: None,
             connected: BTreeSet::new(),
             generation: BTreeMap::new(),
             grants: BTreeMap::new(),
@@ -197,7 +201,16 @@ impl Model {
         let outs = self.core.step(self.now(), i);
         for o in outs {
             match o {
-                Output::Persist { seq } => self.unwritten = Some((seq, self.core.snapshot())),
+                Output::Persist { seq } => {
+                    let snap = self.core.snapshot();
+                    // Now and then the driver writes a whole snapshot instead (compaction,
+                    // a large change): the notes are dropped and the journal starts over.
+                    if self.steps % 7 == 3 {
+                        self.journaled = None;
+                    }
+                    check_delta(&mut self.core, &mut self.journaled, &snap)?;
+                    self.unwritten = Some((seq, snap));
+                }
                 Output::Send { session, event } => self.check_send(session, event)?,
                 Output::Notice { .. } => {}
             }
@@ -556,11 +569,63 @@ impl Model {
                     .map_err(|e| TestCaseError::fail(format!("restore refused: {e}")))?;
                 self.plant();
                 self.unwritten = None;
+                self.journaled = None;
                 self.connected.clear();
             }
         }
         Ok(())
     }
+}
+
+/// At a write: the delta the core hands over, through its journal line (serialized and read
+/// back), applied to the state last written must give the core's whole snapshot. The first
+/// write after a start writes the whole snapshot (and drops the notes), as the driver does.
+pub(crate) fn check_delta(
+    core: &mut Core,
+    journaled: &mut Option<PersistedState>,
+    snap: &PersistedState,
+) -> Result<(), TestCaseError> {
+    if journaled.is_none() {
+        core.drop_delta();
+    }
+    let delta = core.take_delta();
+    // As written to disk: the fields that are not persisted (sessions) are dropped.
+    let snap: PersistedState = serde_json::to_vec(snap)
+        .and_then(|b| serde_json::from_slice(&b))
+        .map_err(|e| TestCaseError::fail(format!("snapshot does not round-trip: {e}")))?;
+    let Some(st) = journaled.as_mut() else {
+        *journaled = Some(snap);
+        return Ok(());
+    };
+    let line = serde_json::to_string(&delta)
+        .map_err(|e| TestCaseError::fail(format!("delta does not serialize: {e}")))?;
+    let back: super::StateDelta = serde_json::from_str(&line)
+        .map_err(|e| TestCaseError::fail(format!("journal line refused: {e}: {line}")))?;
+    back.apply(st)
+        .map_err(|e| TestCaseError::fail(format!("delta refused: {e}")))?;
+    if *st != snap {
+        let (a, b) = (
+            serde_json::to_value(&*st).unwrap_or_default(),
+            serde_json::to_value(&snap).unwrap_or_default(),
+        );
+        let diff: Vec<String> = match (a, b) {
+            (serde_json::Value::Object(a), serde_json::Value::Object(b)) => b
+                .iter()
+                .filter(|(k, v)| a.get(*k) != Some(*v))
+                .map(|(k, v)| format!("{k}: journal {:?} vs snapshot {v}", a.get(k)))
+                .chain(
+                    a.keys()
+                        .filter(|k| !b.contains_key(*k))
+                        .map(|k| format!("{k}: only in the journal")),
+                )
+                .collect(),
+            _ => vec![],
+        };
+        return Err(TestCaseError::fail(format!(
+            "snapshot + journal differs from the core's state: {diff:?} (delta {line})"
+        )));
+    }
+    Ok(())
 }
 
 fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, String> {

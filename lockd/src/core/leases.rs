@@ -129,6 +129,8 @@ impl Core {
         l.token = token.clone();
         l.session = Some(s);
         self.kl.insert(id, l);
+        // A waiting request may already create records (a shared resource's entry).
+        self.note_lease(id);
         if let Some(sess) = self.sessions.get_mut(&s) {
             sess.leases.insert(id);
         }
@@ -152,6 +154,7 @@ impl Core {
     /// Mark a registered request granted: epoch, counters, persisted, notice. The caller
     /// sends the `granted` event (it knows the kind's fields).
     pub(super) fn mark_granted(&mut self, now: Now, id: u64, epoch: u64) {
+        self.note_lease(id);
         let Some(l) = self.kl.get_mut(&id) else {
             return;
         };
@@ -277,6 +280,7 @@ impl Core {
     /// leaves a tombstone, counts, and is announced. `tell` sends `lease_ended` to its
     /// session (an end it did not ask for).
     pub(super) fn forget(&mut self, now: Now, id: u64, why: EndWhy, tell: bool) {
+        self.note_lease(id);
         let Some(l) = self.kl.remove(&id) else {
             return;
         };
@@ -364,11 +368,14 @@ impl Core {
     /// Remember an ended lease (bounded: oldest forgotten first).
     pub(super) fn bury(&mut self, t: Tombstone) {
         self.tomb_order.push_back(t.lease_id);
+        self.notes.tombs_added.push(t.lease_id);
         self.tombs.insert(t.lease_id, t);
         while self.tombs.len() > self.cfg.max_tombstones {
             match self.tomb_order.pop_front() {
                 Some(old) => {
-                    self.tombs.remove(&old);
+                    if self.tombs.remove(&old).is_some() {
+                        self.notes.tombs_forgotten.push(old);
+                    }
                 }
                 None => break,
             }
@@ -383,6 +390,7 @@ impl Core {
                 Some(t) if now.unix_ms.saturating_sub(t.ended_at_unix_ms) < max => break,
                 Some(_) => {
                     self.tombs.remove(&id);
+                    self.notes.tombs_forgotten.push(id);
                     self.tomb_order.pop_front();
                     self.dirty = true;
                 }

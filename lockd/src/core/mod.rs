@@ -20,6 +20,7 @@
 //! * `status`: the `status` report and the figures metrics read.
 
 mod deadlock;
+mod delta;
 mod exclusive;
 mod gang;
 #[cfg(test)]
@@ -43,9 +44,10 @@ use rand::{rngs::StdRng, RngCore, SeedableRng};
 
 use crate::proto::{Counters, ErrorCode, Event, Notice, PeerInfo, Request};
 
+pub use delta::{LeaseRecords, NameRecords, StateDelta};
 pub use leases::KindLease;
 pub use records::{
-    decode_state, PersistedLease, PersistedResource, PersistedState, Tombstone,
+    check_state, decode_state, PersistedLease, PersistedResource, PersistedState, Tombstone,
     READABLE_STATE_VERSIONS, STATE_VERSION,
 };
 use session::Session;
@@ -234,6 +236,8 @@ pub struct Core {
     pending: Vec<Output>,
     /// Whether the current step changed persisted state.
     dirty: bool,
+    /// What changed since the last incremental write ([`Core::take_delta`]).
+    notes: delta::Notes,
 }
 
 impl Core {
@@ -338,6 +342,7 @@ impl Core {
             outbox: VecDeque::new(),
             pending: Vec::new(),
             dirty: false,
+            notes: delta::Notes::default(),
         };
         // What ended while lockd was down ends now (tombstones, counters, grants to
         // nobody: waiters are not persisted), and the offers file is applied.

@@ -99,6 +99,7 @@ impl Core {
                 OnUnavailable::Fail
             },
         };
+        self.note_name(&pool);
         let res = match self.pools.get_mut(&pool) {
             Some(p) => p.request(qnow(now), id, token, spec),
             None => return,
@@ -188,6 +189,7 @@ impl Core {
         // release quadratic).
         let empty = self.pools.get(pool).is_some_and(|p| p.is_empty());
         if empty {
+            self.note_name(pool);
             self.pools.remove(pool);
             self.dirty = true;
         }
@@ -198,6 +200,7 @@ impl Core {
         let Some(l) = self.kl.get(&id).cloned() else {
             return;
         };
+        self.note_name(&l.resource);
         let events = match self.pools.get_mut(&l.resource) {
             Some(p) => p.release(qnow(now), id, &l.token).unwrap_or_default(),
             None => Vec::new(),
@@ -212,6 +215,7 @@ impl Core {
         let Some(l) = self.kl.get(&id).cloned() else {
             return;
         };
+        self.note_name(&l.resource);
         let res = match self.pools.get_mut(&l.resource) {
             Some(p) => p.renew(qnow(now), id, &l.token, ttl_ms.map(Duration::from_millis)),
             None => Err(QuantityError::UnknownLease(id)),
@@ -253,6 +257,7 @@ impl Core {
             .map(|(n, _)| n.clone())
             .collect();
         for pool in due {
+            self.note_name(&pool);
             let events = match self.pools.get_mut(&pool) {
                 Some(p) => p.tick(qnow(now)),
                 None => continue,
@@ -274,8 +279,10 @@ impl Core {
         }
         if !self.pools.contains_key(pool) {
             let m = QuantityManager::new(self.quantity_config()).map_err(|e| e.to_string())?;
+            self.note_name(pool);
             self.pools.insert(pool.to_string(), m);
         }
+        self.note_name(pool);
         let res = match self.pools.get_mut(pool) {
             Some(p) => p.upsert_offer(qnow(now), spec),
             None => return Err("no pool".into()),
@@ -357,6 +364,7 @@ impl Core {
 
     /// `withdraw`: the offer's capacity goes to 0; its leases run out (renewals refused).
     pub(super) fn withdraw(&mut self, now: Now, s: SessionId, pool: String, name: String) {
+        self.note_name(&pool);
         let res = match self.pools.get_mut(&pool) {
             Some(p) => p.remove_offer(&name),
             None => Err(QuantityError::UnknownOffer(name.clone())),

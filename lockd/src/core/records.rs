@@ -264,6 +264,12 @@ pub fn decode_state(bytes: &[u8]) -> Result<(PersistedState, u32), String> {
     Ok((st, probe.version))
 }
 
+/// Consistency checks of a state (as [`decode_state`] does them): lease ids unique, within
+/// the last lease id; holder epochs within their resource's.
+pub fn check_state(st: &PersistedState) -> Result<(), String> {
+    validate(st)
+}
+
 /// Consistency checks of a decoded state.
 fn validate(st: &PersistedState) -> Result<(), String> {
     let mut ids = std::collections::BTreeSet::new();
@@ -295,39 +301,43 @@ fn validate(st: &PersistedState) -> Result<(), String> {
 }
 
 impl Core {
+    /// The persisted form of one resource of the lease table.
+    pub(super) fn persisted_resource(
+        &self,
+        name: &str,
+        r: &super::table::Resource,
+    ) -> PersistedResource {
+        let holder = match &r.lease {
+            LeaseState::Free => None,
+            LeaseState::Held(l) => Some(PersistedLease {
+                name: l.holder.clone(),
+                epoch: l.epoch,
+                token: l.token.clone(),
+                granted_at_unix_ms: l.granted_at_unix_ms,
+                peer: self.sessions.get(&l.session).map(|s| s.peer.clone()),
+                revoked: l.revoked.is_some(),
+                lease_id: l.lease_id,
+                kind: l.kind,
+                mode: l.mode,
+                expires_at_unix_ms: None,
+                gang: l.gang,
+            }),
+            LeaseState::Reclaiming { lease, .. } => Some(lease.clone()),
+        };
+        PersistedResource {
+            epoch: r.epoch,
+            holder,
+            version: self.shared.version(name),
+        }
+    }
+
     /// The full persisted form of the current state (always the current version).
     pub fn snapshot(&self) -> PersistedState {
         let resources = self
             .table
             .resources
             .iter()
-            .map(|(name, r)| {
-                let holder = match &r.lease {
-                    LeaseState::Free => None,
-                    LeaseState::Held(l) => Some(PersistedLease {
-                        name: l.holder.clone(),
-                        epoch: l.epoch,
-                        token: l.token.clone(),
-                        granted_at_unix_ms: l.granted_at_unix_ms,
-                        peer: self.sessions.get(&l.session).map(|s| s.peer.clone()),
-                        revoked: l.revoked.is_some(),
-                        lease_id: l.lease_id,
-                        kind: l.kind,
-                        mode: l.mode,
-                        expires_at_unix_ms: None,
-                        gang: l.gang,
-                    }),
-                    LeaseState::Reclaiming { lease, .. } => Some(lease.clone()),
-                };
-                (
-                    name.clone(),
-                    PersistedResource {
-                        epoch: r.epoch,
-                        holder,
-                        version: self.shared.version(name),
-                    },
-                )
-            })
+            .map(|(name, r)| (name.clone(), self.persisted_resource(name, r)))
             .collect();
         PersistedState {
             version: STATE_VERSION,

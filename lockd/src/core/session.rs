@@ -94,7 +94,7 @@ impl Core {
             let leases = sess.leases.clone();
             let gangs = sess.gangs.clone();
             for r in &waits {
-                if let Some(res) = self.table.resources.get_mut(r) {
+                if let Some(res) = self.table.get_noted(r) {
                     res.waiters.remove_session(s);
                 }
                 self.table.touch(r);
@@ -135,7 +135,7 @@ impl Core {
             self.gang_end(now, *g, None);
         }
         for r in &sess.waits {
-            if let Some(res) = self.table.resources.get_mut(r) {
+            if let Some(res) = self.table.get_noted(r) {
                 res.waiters.remove_session(s);
             }
             self.table.touch(r);

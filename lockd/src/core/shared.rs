@@ -38,6 +38,7 @@ impl Core {
             },
         );
         let floor = self.epoch(&resource);
+        self.note_name(&resource);
         self.shared.raise_epoch(&resource, floor);
         let req = shared::Request {
             id,
@@ -113,6 +114,7 @@ impl Core {
             return;
         };
         if self.shared_ttl.get(id).is_some() {
+            self.note_lease(id);
             let out = self.shared_ttl.release(id, now);
             for e in out.ended {
                 if e.id != id {
@@ -121,6 +123,7 @@ impl Core {
             }
         }
         let floor = self.epoch(&l.resource);
+        self.note_name(&l.resource);
         self.shared.raise_epoch(&l.resource, floor);
         let outcome = self.shared.end(id);
         self.forget(now, id, why, tell);
@@ -145,6 +148,7 @@ impl Core {
             return;
         }
         let text = EndWhy::Revoked(by, reason.clone()).text();
+        self.note_lease(id);
         if let Some(x) = self.kl.get_mut(&id) {
             x.revoked = Some(text.clone());
         }
@@ -201,6 +205,7 @@ impl Core {
                 Some(&resource),
             );
         }
+        self.note_lease(id);
         let out = self.shared_ttl.renew(id, now);
         for e in out.ended {
             self.shared_end(now, e.id, EndWhy::Expired, true);
@@ -245,6 +250,8 @@ impl Core {
                 Some(&l.resource),
             );
         }
+        self.note_lease(id);
+        self.table.note(&l.resource);
         match self.shared.commit(id) {
             Ok(version) => {
                 self.kind_counters(LeaseKind::Shared).commits += 1;

@@ -207,11 +207,28 @@ pub(super) struct Table {
     /// Resources whose holder or waiters changed since the core last looked (the wait-for
     /// graph is updated from them at the end of each step).
     pub touched: super::deadlock::Touched,
+    /// Resources whose persisted record (epoch, holder) may have changed since the last
+    /// incremental write (`Core::take_delta` takes them).
+    pub noted: BTreeSet<String>,
 }
 
 impl Table {
-    /// The resource, created free (epoch 0) if unknown.
+    /// Note that the persisted record of `name` changed (or may have).
+    pub fn note(&mut self, name: &str) {
+        if !self.noted.contains(name) {
+            self.noted.insert(name.to_string());
+        }
+    }
+
+    /// The resource, for a change of its persisted record (noted).
+    pub fn get_noted(&mut self, name: &str) -> Option<&mut Resource> {
+        self.note(name);
+        self.resources.get_mut(name)
+    }
+
+    /// The resource, created free (epoch 0) if unknown (noted: the caller may change it).
     pub fn entry(&mut self, name: &str) -> &mut Resource {
+        self.note(name);
         if !self.resources.contains_key(name) {
             self.resources.insert(name.to_string(), Resource::new(0));
         }
@@ -247,6 +264,7 @@ impl Table {
     /// Replace the lease of `name` (which must exist), keeping the indexes; returns the
     /// previous one (None if the resource is unknown).
     pub fn set_lease(&mut self, name: &str, new: LeaseState) -> Option<LeaseState> {
+        self.note(name);
         let res = self.resources.get_mut(name)?;
         self.touched.touch(name);
         let old = std::mem::replace(&mut res.lease, new);

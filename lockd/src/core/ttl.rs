@@ -157,6 +157,7 @@ impl Core {
             self.forget(now, id, EndWhy::Released, false);
             return;
         }
+        self.note_lease(id);
         let out = match &why {
             EndWhy::Revoked(by, reason) => self.ttl.revoke(id, by, reason, now),
             _ => self.ttl.release(id, now),
@@ -188,6 +189,7 @@ impl Core {
                 Some(&resource),
             );
         }
+        self.note_lease(id);
         let out = self.ttl.renew(id, now);
         for e in out.ended {
             self.ttl_ended(now, e);

@@ -478,27 +478,34 @@ impl SharedTable {
             resources: self
                 .resources
                 .iter()
-                .map(|(name, r)| {
-                    let holders = r
-                        .holders
-                        .iter()
-                        .map(|(id, h)| SharedHolderRecord {
-                            id: *id,
-                            holder: h.holder.clone(),
-                            mode: h.mode,
-                            epoch: h.epoch,
-                            version: h.version,
-                            commits: h.commits,
-                        })
-                        .collect();
-                    let rec = SharedResourceRecord {
-                        version: r.version,
-                        epoch: r.epoch,
-                        holders,
-                    };
-                    (name.clone(), rec)
-                })
+                .map(|(name, r)| (name.clone(), Self::res_record(r)))
                 .collect(),
+        }
+    }
+
+    /// The persisted record of one resource, if the table knows it (for incremental
+    /// writes: what [`SharedTable::snapshot`] holds for that name).
+    pub fn record(&self, name: &str) -> Option<SharedResourceRecord> {
+        self.resources.get(name).map(Self::res_record)
+    }
+
+    fn res_record(r: &Res) -> SharedResourceRecord {
+        let holders = r
+            .holders
+            .iter()
+            .map(|(id, h)| SharedHolderRecord {
+                id: *id,
+                holder: h.holder.clone(),
+                mode: h.mode,
+                epoch: h.epoch,
+                version: h.version,
+                commits: h.commits,
+            })
+            .collect();
+        SharedResourceRecord {
+            version: r.version,
+            epoch: r.epoch,
+            holders,
         }
     }
 

@@ -1,6 +1,7 @@
 //! lockd SIGKILLed (and restarted on the same state file) at random points during a run of a
 //! few hundred grants: from the clients' own observations, no epoch is ever granted twice and
-//! no two clients ever hold the resource at once.
+//! no two clients ever hold the resource at once. lockd runs with a tiny `--compact-after`, so
+//! the kills land on journal appends, snapshots and compactions alike.
 use crate::common::*;
 use lockd::client::{ClientOptions, LockClient, LockEvent};
 use lockd::Endpoint;
@@ -28,7 +29,7 @@ async fn random_sigkills_never_double_grant_an_epoch_or_overlap_holders() {
     let d = tempfile::tempdir().unwrap();
     let lockd = Arc::new(Mutex::new(start_lockd(
         d.path(),
-        &["--reconnect-window", "1s"],
+        &["--reconnect-window", "1s", "--compact-after", "1500"],
     )));
     let ep: Endpoint = lockd.lock().unwrap().endpoint().parse().unwrap();
     let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
@@ -218,10 +219,15 @@ async fn random_sigkills_never_double_grant_an_epoch_or_overlap_holders() {
     }
     let st = lockd.lock().unwrap().status();
     assert!(st.counters.reclaims > 0, "no kill hit a held lease: {st:?}");
+    let log = lockd.lock().unwrap().log_text();
+    let compactions = log.matches("journal compacted").count();
+    assert!(compactions >= KILLS, "only {compactions} compactions");
     eprintln!(
-        "grants observed: {}, kills: {kills}, counters: {:?}",
+        "grants observed: {}, kills: {kills}, counters: {:?}, compactions: {compactions}, \
+         torn journal lines cut: {}",
         s.len(),
-        st.counters
+        st.counters,
+        log.matches("cutting a torn last journal line").count()
     );
     if std::env::var("CHAOS_KEEP").is_ok() {
         let p = d.keep();

@@ -4,11 +4,13 @@
 //! * a grant is never sent before a state with that epoch is durable;
 //! * new-grant epochs strictly increase per resource, across restarts;
 //! * a resource never has two live holders;
+//! * at every write, the delta the core hands over (`Core::take_delta`), through its journal
+//!   line, applied to the state last written equals the core's whole snapshot;
 //! * nothing panics.
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use lockd::core::{Config, Core, Input, Now, Output, PersistedState};
+use lockd::core::{Config, Core, Input, Now, Output, PersistedState, StateDelta};
 use lockd::proto::{Event, PeerInfo, Request};
 use proptest::prelude::*;
 
@@ -53,6 +55,9 @@ struct Model {
     durable: PersistedState,
     /// The newest state the core asked for, not yet written (the driver writes it, then acks).
     unwritten: Option<(u64, PersistedState)>,
+    /// The state as snapshot + journal has it (None after a start: the first write is a
+    /// whole snapshot, as in the driver).
+    journaled: Option<PersistedState>,
     /// Connected sessions (by real session id).
     connected: BTreeMap<u64, bool>,
     /// Connection generation per logical client: real id = client * 1000 + generation, so that
@@ -86,11 +91,37 @@ impl Model {
         let outs = self.core.step(self.now(), i);
         for o in outs {
             match o {
-                Output::Persist { seq } => self.unwritten = Some((seq, self.core.snapshot())),
+                Output::Persist { seq } => {
+                    let snap = self.core.snapshot();
+                    self.check_delta(&snap)?;
+                    self.unwritten = Some((seq, snap));
+                }
                 Output::Send { session, event } => self.check_send(session, event)?,
                 Output::Notice { .. } => {}
             }
         }
+        Ok(())
+    }
+
+    /// The journal line of this write, applied to the last written state, gives `snap`.
+    fn check_delta(&mut self, snap: &PersistedState) -> Result<(), TestCaseError> {
+        let delta = self.core.take_delta();
+        let round = |st: &PersistedState| -> PersistedState {
+            serde_json::from_slice(&serde_json::to_vec(st).unwrap()).unwrap()
+        };
+        let snap = round(snap);
+        let Some(st) = self.journaled.as_mut() else {
+            self.journaled = Some(snap);
+            return Ok(());
+        };
+        let line = serde_json::to_string(&delta).unwrap();
+        let back: StateDelta = serde_json::from_str(&line)
+            .map_err(|e| TestCaseError::fail(format!("journal line refused: {e}: {line}")))?;
+        back.apply(st).map_err(TestCaseError::fail)?;
+        prop_assert!(
+            *st == snap,
+            "snapshot + journal {st:?} differs from the core's state {snap:?} (delta {line})"
+        );
         Ok(())
     }
 
@@ -208,6 +239,7 @@ impl Model {
                 self.core = Core::new(cfg(), self.durable.clone(), self.now(), self.ms)
                     .map_err(|e| TestCaseError::fail(format!("restore refused: {e}")))?;
                 self.unwritten = None;
+                self.journaled = None;
                 self.connected.clear();
                 self.holder.clear();
             }
@@ -246,6 +278,7 @@ fn core_invariants_hold_under_random_histories() {
                 ms: 0,
                 durable: PersistedState::default(),
                 unwritten: None,
+                journaled: None,
                 connected: BTreeMap::new(),
                 generation: BTreeMap::new(),
                 holder: BTreeMap::new(),

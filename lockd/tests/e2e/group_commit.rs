@@ -30,7 +30,8 @@ fn free_port() -> u16 {
 
 fn on_disk(dir: &Path) -> PersistedState {
     let p = dir.join("state.json");
-    lockd::persist::parse_state(&p, &std::fs::read(&p).unwrap()).unwrap()
+    // Snapshot plus journal: what a restarted lockd would read.
+    lockd::persist::load(&p).unwrap()
 }
 
 fn persist_count(metrics: u16) -> f64 {

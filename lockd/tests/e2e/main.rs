@@ -28,6 +28,7 @@ mod hold_child_outlives_hold;
 mod hold_child_outlives_hold_after_restart;
 mod hold_exit_codes;
 mod holder_pgroup_sigkill;
+mod journal;
 mod json_logs;
 mod kinds_compat;
 mod kinds_quantity;
