@@ -276,7 +276,7 @@ pub fn status_line(socket: &Path, timeout: Duration) -> Result<String, LockdErro
 pub fn status_at(socket: &Path, timeout: Duration) -> Result<StatusReport, LockdError> {
     let line = status_line(socket, timeout)?;
     match decode_event(line.as_bytes()) {
-        Ok(Event::Status(r)) => Ok(r),
+        Ok(Event::Status(r)) => Ok(*r),
         other => Err(LockdError::Protocol(format!("{other:?}"))),
     }
 }

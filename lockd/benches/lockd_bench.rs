@@ -32,6 +32,11 @@
 //!
 //! `--json FILE` writes every figure as JSON (also printed last).
 //!
+//! `--socket PATH --cycles N [--clients 64] [--resources 1]`: no lockd of its own; runs
+//! exactly `N` grant/release cycles against the lockd on `PATH` and prints the time taken
+//! (for instruction counts of a lockd run under `valgrind --tool=callgrind`, which are
+//! stable on a busy machine where wall-clock throughput is not).
+//!
 //! lockd runs with `LOCKD_LOG=warn` (set `LOCKD_BENCH_LOG=info` to include its per-transition
 //! log lines, written to a file in the bench directory). It is started by `harness::lockd`,
 //! the workspace's one lockd launcher.
@@ -1002,7 +1007,67 @@ fn write_json(v: &serde_json::Value) {
     }
 }
 
+/// `--socket PATH --cycles N`: exactly `n` cycles (counted over every client) of
+/// `clients` clients over `resources` resources, then every client disconnects.
+async fn fixed_cycles(sock: &Path, clients: usize, resources: usize, n: u64) -> f64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let done = std::sync::Arc::new(AtomicU64::new(0));
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..clients {
+        let (sock, done) = (sock.to_path_buf(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut s = tokio::net::UnixStream::connect(&sock)
+                .await
+                .expect("connect");
+            let res = format!("fc{}", i % resources);
+            let acq =
+                format!("{{\"op\":\"acquire\",\"resource\":\"{res}\",\"holder\":\"c{i}\"}}\n");
+            let rel_acq = format!("{{\"op\":\"release\",\"resource\":\"{res}\"}}\n{acq}");
+            s.write_all(acq.as_bytes()).await.expect("write");
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut pending = Vec::new();
+            loop {
+                let k = s.read(&mut buf).await.unwrap_or(0);
+                if k == 0 {
+                    return;
+                }
+                pending.extend_from_slice(&buf[..k]);
+                while let Some(p) = pending.iter().position(|b| *b == b'\n') {
+                    let line: Vec<u8> = pending.drain(..=p).collect();
+                    if line.windows(17).any(|w| w == b"\"event\":\"granted\"") {
+                        if done.fetch_add(1, Ordering::Relaxed) >= n {
+                            return;
+                        }
+                        s.write_all(rel_acq.as_bytes()).await.expect("write");
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(3600), t).await;
+    }
+    t.elapsed().as_secs_f64()
+}
+
 fn main() {
+    if let Some(sock) = arg_str("--socket") {
+        let n = arg("--cycles", 10_000);
+        let clients = (arg("--clients", 64) as usize).max(1);
+        let resources = (arg("--resources", 1) as usize).max(1);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let secs = rt.block_on(fixed_cycles(Path::new(&sock), clients, resources, n));
+        println!(
+            "{n} cycles, {clients} clients, {resources} resources: {secs:.2} s ({:.0} cycles/s)",
+            n as f64 / secs
+        );
+        return;
+    }
     let rounds = (arg("--rounds", 200) as usize).max(1);
     let clients = arg("--clients", 64) as usize;
     let secs = arg("--seconds", 5);

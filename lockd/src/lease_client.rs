@@ -981,7 +981,7 @@ impl LeaseClient {
     pub async fn lease(&self, lease_id: u64) -> Result<LeaseReport, LeaseError> {
         self.require_any()?;
         match self.link.call(&Request::Lease { lease_id }).await? {
-            Event::Lease(r) => Ok(r),
+            Event::Lease(r) => Ok(*r),
             ev => Err(unexpected("lease", &ev)),
         }
     }
@@ -1021,7 +1021,7 @@ impl LeaseClient {
                 renewal_refused,
                 ..
             } => Ok(OfferChange {
-                offer: Some(offer),
+                offer: Some(*offer),
                 renewal_refused,
             }),
             ev => Err(unexpected("offered", &ev)),
@@ -1058,7 +1058,7 @@ impl LeaseClient {
             sessions: (!sessions).then_some(false),
         };
         match self.link.call(&req).await? {
-            Event::Status(s) => Ok(s),
+            Event::Status(s) => Ok(*s),
             ev => Err(unexpected("status", &ev)),
         }
     }

@@ -360,6 +360,16 @@ pub fn decode_request(line: &[u8], max: usize) -> Result<Request, DecodeError> {
     }
     let text = std::str::from_utf8(line).map_err(|e| DecodeError::Malformed(e.to_string()))?;
     let text = text.strip_suffix('\r').unwrap_or(text);
+    // Fastest path: the compact version-1 `acquire` / `release`, by hand.
+    if let Some(req) = decode_v1_fast(text) {
+        validate(&req)?;
+        return Ok(req);
+    }
+    decode_serde(text)
+}
+
+/// [`decode_request`] without the hand-parsed fast path (what the fast path must agree with).
+fn decode_serde(text: &str) -> Result<Request, DecodeError> {
     // Fast path: a well-formed request parses directly; only failures are classified.
     if let Ok(req) = serde_json::from_str::<Request>(text) {
         validate(&req)?;
@@ -382,6 +392,123 @@ pub fn decode_request(line: &[u8], max: usize) -> Result<Request, DecodeError> {
         serde_json::from_value(value).map_err(|e| DecodeError::Malformed(e.to_string()))?;
     validate(&req)?;
     Ok(req)
+}
+
+/// The compact version-1 requests, parsed by hand: an object of `"op"` (`acquire` or
+/// `release`), `"resource"`, and for `acquire` `"holder"` and an optional boolean `"wait"`,
+/// in any order, with JSON whitespace anywhere between tokens. serde's internally tagged
+/// enum with a flattened extension buffers every field before it looks at the tag; these
+/// two lines are most of what a busy lockd reads. `None` whenever the line is anything else
+/// or this parser is unsure — a string with an escape or a control character, a key seen
+/// twice, any other key, a value of another type — and the caller then asks serde: the two
+/// never disagree (`fast_path_agrees_with_serde`, the proptest twin). Never panics.
+fn decode_v1_fast(text: &str) -> Option<Request> {
+    fn ws(b: &[u8], i: &mut usize) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = b.get(*i) {
+            *i += 1;
+        }
+    }
+    /// A string without escapes or control characters (else `None`: serde decides).
+    fn string<'a>(text: &'a str, i: &mut usize) -> Option<&'a str> {
+        let b = text.as_bytes();
+        if b.get(*i) != Some(&b'"') {
+            return None;
+        }
+        let start = *i + 1;
+        let mut j = start;
+        loop {
+            match *b.get(j)? {
+                b'"' => break,
+                b'\\' | 0..=0x1f => return None,
+                _ => j += 1,
+            }
+        }
+        *i = j + 1;
+        // Both ends are ASCII quotes, so this is a char boundary.
+        text.get(start..j)
+    }
+    let b = text.as_bytes();
+    let mut i = 0;
+    ws(b, &mut i);
+    if b.get(i) != Some(&b'{') {
+        return None;
+    }
+    i += 1;
+    let (mut op, mut resource, mut holder, mut wait) = (None, None, None, None);
+    loop {
+        ws(b, &mut i);
+        let key = string(text, &mut i)?;
+        ws(b, &mut i);
+        if b.get(i) != Some(&b':') {
+            return None;
+        }
+        i += 1;
+        ws(b, &mut i);
+        let slot = match key {
+            "op" => &mut op,
+            "resource" => &mut resource,
+            "holder" => &mut holder,
+            "wait" => {
+                if wait.is_some() {
+                    return None;
+                }
+                let rest = &b[i..];
+                if rest.starts_with(b"true") {
+                    wait = Some(true);
+                    i += 4;
+                } else if rest.starts_with(b"false") {
+                    wait = Some(false);
+                    i += 5;
+                } else {
+                    return None;
+                }
+                ws(b, &mut i);
+                match b.get(i)? {
+                    b',' => {
+                        i += 1;
+                        continue;
+                    }
+                    b'}' => {
+                        i += 1;
+                        break;
+                    }
+                    _ => return None,
+                }
+            }
+            _ => return None,
+        };
+        if slot.is_some() {
+            return None;
+        }
+        *slot = Some(string(text, &mut i)?);
+        ws(b, &mut i);
+        match b.get(i)? {
+            b',' => i += 1,
+            b'}' => {
+                i += 1;
+                break;
+            }
+            _ => return None,
+        }
+    }
+    ws(b, &mut i);
+    if i != b.len() {
+        return None;
+    }
+    match op? {
+        "acquire" => Some(Request::Acquire {
+            resource: resource?.to_string(),
+            holder: holder?.to_string(),
+            wait: wait.unwrap_or(true),
+            ext: AcquireExt::default(),
+        }),
+        "release" if holder.is_none() && wait.is_none() => Some(Request::Release {
+            resource: Some(resource?.to_string()),
+            lease_id: None,
+            token: None,
+        }),
+        _ => None,
+    }
 }
 
 fn truncate(s: &str, n: usize) -> String {
@@ -1152,7 +1279,7 @@ pub enum Event {
         holder: Option<String>,
     },
     /// Answer to status.
-    Status(StatusReport),
+    Status(Box<StatusReport>),
     /// Answer to watch; notices follow.
     Watching {},
     /// A lease change (watchers only).
@@ -1215,7 +1342,7 @@ pub enum Event {
         reason: String,
     },
     /// Version 2: answer to `lease`.
-    Lease(LeaseReport),
+    Lease(Box<LeaseReport>),
     /// Version 2: answer to `leases`.
     Leases {
         /// Live leases (and waiting requests), by lease id.
@@ -1226,7 +1353,7 @@ pub enum Event {
         /// The pool.
         pool: String,
         /// The offer as now set.
-        offer: OfferReport,
+        offer: Box<OfferReport>,
         /// Leases whose renewals are now refused (the offer shrank below its allocations).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         renewal_refused: Vec<u64>,
@@ -1282,10 +1409,150 @@ impl Event {
 
     /// Encode as one line, newline included.
     pub fn encode(&self) -> String {
+        self.encode_v1_fast().unwrap_or_else(|| self.encode_serde())
+    }
+
+    /// [`Event::encode`] through serde alone (what the fast path must match byte for byte).
+    fn encode_serde(&self) -> String {
         let mut s = serde_json::to_string(self).unwrap_or_else(|_| "{}".into());
         s.push('\n');
         s
     }
+
+    /// The events of a version-1 hand-over (`granted`, `queued`, `released` without any
+    /// version-2 field), written by hand, byte for byte as serde writes them
+    /// (`fast_encoding_is_serdes_byte_for_byte`); `None` for every other event.
+    fn encode_v1_fast(&self) -> Option<String> {
+        let mut s = String::with_capacity(160);
+        match self {
+            Event::Granted {
+                resource,
+                holder,
+                epoch,
+                token,
+                reclaimed,
+                lease,
+            } if lease.is_v1() => {
+                s.push_str("{\"event\":\"granted\",\"resource\":");
+                push_json_str(&mut s, resource);
+                s.push_str(",\"holder\":");
+                push_json_str(&mut s, holder);
+                s.push_str(",\"epoch\":");
+                push_u64(&mut s, *epoch);
+                s.push_str(",\"token\":");
+                push_json_str(&mut s, token);
+                s.push_str(if *reclaimed {
+                    ",\"reclaimed\":true}"
+                } else {
+                    ",\"reclaimed\":false}"
+                });
+            }
+            Event::Queued {
+                resource,
+                position,
+                lease_id: None,
+            } => {
+                s.push_str("{\"event\":\"queued\",\"resource\":");
+                push_json_str(&mut s, resource);
+                s.push_str(",\"position\":");
+                push_u64(&mut s, *position as u64);
+                s.push('}');
+            }
+            Event::Released {
+                resource,
+                epoch,
+                lease_id: None,
+            } => {
+                s.push_str("{\"event\":\"released\",\"resource\":");
+                push_json_str(&mut s, resource);
+                s.push_str(",\"epoch\":");
+                push_u64(&mut s, *epoch);
+                s.push('}');
+            }
+            _ => return None,
+        }
+        s.push('\n');
+        Some(s)
+    }
+}
+
+impl LeaseFields {
+    /// No version-2 field: a version-1 lease.
+    fn is_v1(&self) -> bool {
+        let LeaseFields {
+            lease_id,
+            kind,
+            mode,
+            version,
+            ttl_ms,
+            expires_at_unix_ms,
+            quantity,
+            allocations,
+        } = self;
+        lease_id.is_none()
+            && kind.is_none()
+            && mode.is_none()
+            && version.is_none()
+            && ttl_ms.is_none()
+            && expires_at_unix_ms.is_none()
+            && quantity.is_none()
+            && allocations.is_none()
+    }
+}
+
+/// Appends `n` in decimal (as serde_json writes integers, without `core::fmt`).
+fn push_u64(s: &mut String, mut n: u64) {
+    let mut buf = [0u8; 20];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    // ASCII digits only.
+    s.push_str(std::str::from_utf8(&buf[i..]).unwrap_or("0"));
+}
+
+/// Appends `v` as a JSON string, escaped as serde_json escapes it: `"` and `\`, the
+/// control characters below 0x20 (`\b \t \n \f \r` by name, the others as `\u00XX`),
+/// nothing else.
+fn push_json_str(s: &mut String, v: &str) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    s.push('"');
+    if !v.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\') {
+        // The usual name or token: nothing to escape.
+        s.push_str(v);
+        s.push('"');
+        return;
+    }
+    let mut start = 0;
+    for (i, b) in v.bytes().enumerate() {
+        let esc: &str = match b {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            0x08 => "\\b",
+            0x09 => "\\t",
+            0x0a => "\\n",
+            0x0c => "\\f",
+            0x0d => "\\r",
+            0..=0x1f => "",
+            _ => continue,
+        };
+        s.push_str(&v[start..i]);
+        if esc.is_empty() {
+            s.push_str("\\u00");
+            s.push(char::from(HEX[usize::from(b >> 4)]));
+            s.push(char::from(HEX[usize::from(b & 15)]));
+        } else {
+            s.push_str(esc);
+        }
+        start = i + 1;
+    }
+    s.push_str(&v[start..]);
+    s.push('"');
 }
 
 /// Decode one event line (client side). Never panics.
@@ -1297,6 +1564,259 @@ pub fn decode_event(line: &[u8]) -> Result<Event, DecodeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The lines the fast-path test feeds both parsers: well-formed compact requests in
+    /// every key order and spacing, and near misses of every kind.
+    fn fast_path_lines() -> Vec<String> {
+        let names = [
+            r#""gpu0""#,
+            r#""engine-a""#,
+            r#""é日本""#,
+            r#""a b""#,
+            r#""""#,
+            r#""q\"uote""#,
+            r#""back\\slash""#,
+            r#""\u0067pu""#,
+            r#""tab	raw""#,
+            r#""nl\n""#,
+            "\"\u{7f}del\"",
+            r#"5"#,
+            r#"null"#,
+            r#"["x"]"#,
+            r#""unterminated"#,
+        ];
+        let ops = [
+            r#""acquire""#,
+            r#""release""#,
+            r#""ACQUIRE""#,
+            r#""acquire ""#,
+            r#""renew""#,
+            r#"1"#,
+            r#""rel\u0065ase""#,
+        ];
+        let waits = ["true", "false", "1", r#""true""#, "null", "tru", "falsey"];
+        let extras = [
+            r#""ttl_ms":5"#,
+            r#""gang":["a","b"]"#,
+            r#""lease_id":3"#,
+            r#""token":"t""#,
+            r#""x":1"#,
+            r#""op":"acquire""#,
+            r#""resource":"dup""#,
+            r#""wait":true"#,
+        ];
+        let spaces = ["", " ", "\t", " \n ", "\r\n"];
+        let mut lines = Vec::new();
+        // Every op x name x key order, compact and spaced.
+        for (oi, op) in ops.iter().enumerate() {
+            for (ni, name) in names.iter().enumerate() {
+                let sp = spaces[(oi + ni) % spaces.len()];
+                let holder = names[(ni + 1) % names.len()];
+                let kv = |k: &str, v: &str| format!("{sp}\"{k}\"{sp}:{sp}{v}{sp}");
+                let orders: [Vec<String>; 4] = [
+                    vec![kv("op", op), kv("resource", name), kv("holder", holder)],
+                    vec![kv("resource", name), kv("op", op), kv("holder", holder)],
+                    vec![kv("holder", holder), kv("resource", name), kv("op", op)],
+                    vec![kv("op", op), kv("resource", name)],
+                ];
+                for o in orders {
+                    lines.push(format!("{{{}}}", o.join(",")));
+                    lines.push(format!("{sp}{{{}}}{sp}", o.join(",")));
+                }
+                for w in waits {
+                    lines.push(format!(
+                        "{{{},{},{},{}}}",
+                        kv("op", op),
+                        kv("resource", name),
+                        kv("wait", w),
+                        kv("holder", holder)
+                    ));
+                }
+            }
+        }
+        // Well-formed lines of both ops, in every key order, spacing and `wait`.
+        let good_names = ["gpu0", "engine-a", "é日本", "a b", "x/y.z:1", ""];
+        for (ni, n) in good_names.iter().enumerate() {
+            for sp in spaces {
+                let h = good_names[(ni + 2) % good_names.len()];
+                let (r, hk) = (
+                    format!("{sp}\"resource\"{sp}:{sp}\"{n}\""),
+                    format!("\"holder\":{sp}\"{h}\""),
+                );
+                for w in ["", ",\"wait\":true", ",\"wait\" : false"] {
+                    lines.push(format!("{{\"op\":\"acquire\",{r},{hk}{w}}}"));
+                    lines.push(format!("{{{r},{sp}\"op\":\"acquire\"{w},{hk}{sp}}}"));
+                    lines.push(format!("{sp}{{{hk},{r}{w},\"op\"{sp}:{sp}\"acquire\"}}"));
+                }
+                lines.push(format!("{{\"op\":\"release\",{r}}}"));
+                lines.push(format!("{{{r}{sp},{sp}\"op\":\"release\"{sp}}}{sp}"));
+            }
+        }
+        // Extra fields anywhere, on both ops.
+        for op in ["acquire", "release"] {
+            for e in extras {
+                for pos in 0..4 {
+                    let mut kvs = vec![
+                        format!(r#""op":"{op}""#),
+                        r#""resource":"r""#.to_string(),
+                        r#""holder":"h""#.to_string(),
+                    ];
+                    kvs.insert(pos.min(kvs.len()), e.to_string());
+                    lines.push(format!("{{{}}}", kvs.join(",")));
+                    kvs.remove(2.min(kvs.len() - 1));
+                    lines.push(format!("{{{}}}", kvs.join(",")));
+                }
+            }
+        }
+        // Broken syntax around a good line: every prefix, and stray bytes.
+        let good = r#"{"op":"acquire","resource":"gpu0","holder":"a","wait":false}"#;
+        for k in 0..good.len() {
+            lines.push(good[..k].to_string());
+            let mut m = good.to_string();
+            m.insert(k, ',');
+            lines.push(m);
+        }
+        for tail in ["}", "x", ",", " {}", "\u{0}", "\u{a0}"] {
+            lines.push(format!("{good}{tail}"));
+            lines.push(format!(r#"{{"op":"release","resource":"r"}}{tail}"#));
+        }
+        for odd in [
+            "{}",
+            "[]",
+            "null",
+            r#"{"op":"release"}"#,
+            r#"{"op":"acquire","resource":"r"}"#,
+            r#"{"op":"release","resource":"r",}"#,
+            r#"{,"op":"release","resource":"r"}"#,
+            r#"{"op":"release" "resource":"r"}"#,
+            r#"{"op":"release","resource":"r"}}"#,
+            r#"{"op""release","resource":"r"}"#,
+            r#"{'op':'release','resource':'r'}"#,
+            r#"{"\u006fp":"release","resource":"r"}"#,
+            r#"{"op":"release","resource":"r","holder":"h"}"#,
+            r#"{"op":"release","resource":"r","wait":true}"#,
+        ] {
+            lines.push(odd.to_string());
+        }
+        lines
+    }
+
+    #[test]
+    fn fast_encoding_is_serdes_byte_for_byte() {
+        let mut names: Vec<String> = [
+            "gpu0",
+            "",
+            "a\"b",
+            "back\\slash",
+            "/slash/",
+            "é日本",
+            "\u{7f}del",
+            "\u{2028}",
+            "emoji 🦀",
+            "tab\tnl\ncr\rff\u{c}bs\u{8}",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        // Every control character, and each next to ordinary text.
+        for c in 0u8..0x20 {
+            names.push(char::from(c).to_string());
+            names.push(format!("x{}y", char::from(c)));
+        }
+        let mut n = 0;
+        for (i, r) in names.iter().enumerate() {
+            let h = &names[(i * 7 + 3) % names.len()];
+            for num in [0u64, 1, 9, 10, 42, 1_000_000, u64::MAX] {
+                let evs = [
+                    Event::Granted {
+                        resource: r.clone(),
+                        holder: h.clone(),
+                        epoch: num,
+                        token: h.clone(),
+                        reclaimed: num % 2 == 1,
+                        lease: LeaseFields::default(),
+                    },
+                    Event::Queued {
+                        resource: r.clone(),
+                        position: num as usize,
+                        lease_id: None,
+                    },
+                    Event::Released {
+                        resource: r.clone(),
+                        epoch: num,
+                        lease_id: None,
+                    },
+                ];
+                for ev in evs {
+                    assert!(ev.encode_v1_fast().is_some());
+                    assert_eq!(ev.encode(), ev.encode_serde(), "{ev:?}");
+                    n += 1;
+                }
+            }
+        }
+        assert!(n > 700, "{n}");
+        // Anything version 2 is left to serde.
+        let v2 = [
+            Event::Granted {
+                resource: "r".into(),
+                holder: "h".into(),
+                epoch: 1,
+                token: "t".into(),
+                reclaimed: false,
+                lease: LeaseFields {
+                    lease_id: Some(3),
+                    ..LeaseFields::default()
+                },
+            },
+            Event::Queued {
+                resource: "r".into(),
+                position: 1,
+                lease_id: Some(3),
+            },
+            Event::Released {
+                resource: "r".into(),
+                epoch: 1,
+                lease_id: Some(3),
+            },
+            Event::Cancelled {
+                resource: "r".into(),
+            },
+        ];
+        for ev in v2 {
+            assert!(ev.encode_v1_fast().is_none());
+            assert_eq!(ev.encode(), ev.encode_serde());
+        }
+    }
+
+    #[test]
+    fn fast_path_agrees_with_serde() {
+        let lines = fast_path_lines();
+        assert!(lines.len() >= 1_700, "{} lines", lines.len());
+        let mut fast = 0;
+        for l in &lines {
+            if let Some(r) = decode_v1_fast(l) {
+                fast += 1;
+                let s = serde_json::from_str::<Request>(l);
+                assert_eq!(
+                    s.as_ref().ok(),
+                    Some(&r),
+                    "fast path disagrees on {l:?}: {s:?}"
+                );
+            }
+            // The whole decoder (fast path, then serde) answers as serde alone does.
+            assert_eq!(
+                decode_request(l.as_bytes(), 64 * 1024),
+                decode_serde(l.strip_suffix('\r').unwrap_or(l)),
+                "{l:?}"
+            );
+        }
+        // Not vacuous: the fast path took a good share of the lines, and refused others.
+        assert!(
+            fast > 200 && fast < lines.len() / 2,
+            "{fast} of {}",
+            lines.len()
+        );
+    }
 
     #[test]
     fn acquire_defaults_wait_true() {
@@ -1378,7 +1898,7 @@ mod tests {
             assert_eq!(json, want);
             let back: ResourceReport = serde_json::from_str(&json).unwrap();
             assert_eq!(back.state, state);
-            let status = Event::Status(StatusReport {
+            let status = Event::Status(Box::new(StatusReport {
                 resources: vec![report],
                 counters: Counters::default(),
                 sessions: vec![],
@@ -1388,7 +1908,7 @@ mod tests {
                 counters_by_kind: BTreeMap::new(),
                 deadlocks: vec![],
                 lease_count: None,
-            })
+            }))
             .encode();
             assert!(status.contains(&format!(r#""state":"{wire}""#)), "{status}");
             assert_eq!(decode_event(status.as_bytes()).unwrap().encode(), status);
@@ -1423,7 +1943,7 @@ mod tests {
             Event::Watching {},
             Event::Pong {},
             Event::error(ErrorCode::NotHolder, "x", Some("r")),
-            Event::Status(StatusReport {
+            Event::Status(Box::new(StatusReport {
                 resources: vec![],
                 counters: Counters::default(),
                 sessions: vec![],
@@ -1433,7 +1953,7 @@ mod tests {
                 counters_by_kind: BTreeMap::new(),
                 deadlocks: vec![],
                 lease_count: None,
-            }),
+            })),
         ];
         for e in evs {
             let line = e.encode();

@@ -223,14 +223,10 @@ impl Driver {
                 _ => None,
             })
             .collect();
-        let (first, rest): (Vec<Output>, Vec<Output>) = if granted.is_empty() {
-            (Vec::new(), outs)
-        } else {
-            outs.into_iter().partition(
-                |o| matches!(o, Output::Send { session, .. } if granted.contains(session)),
-            )
-        };
-        for o in first.into_iter().chain(rest) {
+        // Their batches go first, in order of appearance, then everyone else's: the outputs
+        // are taken in one pass, in place (no partition into two more vectors of outputs).
+        let mut firsts = 0;
+        for o in outs {
             match o {
                 Output::Persist { seq } => {
                     // Group commit: the flusher task writes the latest state once every
@@ -245,6 +241,10 @@ impl Driver {
                     let line = event.encode();
                     match self.out_batch.iter_mut().find(|(s, _)| *s == session) {
                         Some((_, l)) => l.push_str(&line),
+                        None if granted.contains(&session) => {
+                            self.out_batch.insert(firsts, (session, line));
+                            firsts += 1;
+                        }
                         None => self.out_batch.push((session, line)),
                     }
                 }

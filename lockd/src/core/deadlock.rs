@@ -22,25 +22,119 @@
 //! Which waits are in the graph: the version-1 exclusive leases and gangs (whose holders are
 //! sessions). TTL and quantity leases are not bound to a session; shared-kind leases are not
 //! in the graph yet.
+//!
+//! **Only edges that can lie on a cycle are kept**: `w -> r` only while `w` also holds
+//! something (on a cycle, every session is waited for, so holds a resource), and `r -> h`
+//! only while some `w -> r` is kept (on a cycle, every resource is waited for by a session
+//! of the cycle). Every cycle of the full graph is made of such edges, so the graph has the
+//! same cycles, finds them at the same step and reports them alike; but a session that
+//! holds nothing costs the graph nothing while it waits, and a resource whose waiters hold
+//! nothing (the version-1 hand-over: clients queue again after they release) costs it
+//! nothing when it changes hands. A session that starts holding something gets the edges of
+//! what it already waits for; one that holds nothing any more loses them. The core keeps,
+//! per resource, the holder and the edges the graph has ([`Synced`], in the table's
+//! resource), and per session how many resources it holds ([`GraphSync`]).
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
+
+use crate::kinds::waitfor::IdMap;
 
 use super::table::LeaseState;
-use super::{Core, Now};
+use super::{Core, Now, SessionId};
 use crate::proto::{DeadlockReport, Notice, NoticeKind};
 
 /// Resource node ids have this bit set; session ids never do (they count from 1).
 const RESOURCE_BIT: u64 = 1 << 63;
 
-/// What the graph holds for one resource.
+/// What the graph holds for one resource (kept in the table's resource: no lookup of its
+/// own, nothing allocated while the resource has no edge).
 #[derive(Debug, Clone, Default)]
 pub(super) struct Synced {
-    /// Its node id.
+    /// Its node id while it has an edge (0: none).
     node: u64,
-    /// The holder session the graph has an edge to.
-    holder: Option<u64>,
-    /// The waiting sessions the graph has edges from.
-    waiters: BTreeSet<u64>,
+    /// Its holder session as of the last pass (the graph's count of what sessions hold).
+    holder: Option<SessionId>,
+    /// The holder the graph has an edge `r -> h` to (only while `live_in > 0`).
+    edge_to: Option<SessionId>,
+    /// Edges `w -> r` the graph has (waiters that hold something).
+    live_in: u32,
+}
+
+/// Resources touched by a step: their names, in buffers reused from step to step (a
+/// touch allocates nothing once a name of that length has been seen).
+#[derive(Debug, Clone, Default)]
+pub(super) struct Touched {
+    names: Vec<String>,
+    len: usize,
+}
+
+impl Touched {
+    /// Notes `name` (a name noted twice is looked at once).
+    pub fn touch(&mut self, name: &str) {
+        if self.len > 0 && self.names[self.len - 1] == name {
+            return;
+        }
+        match self.names.get_mut(self.len) {
+            Some(n) => {
+                n.clear();
+                n.push_str(name);
+            }
+            None => self.names.push(name.to_string()),
+        }
+        self.len += 1;
+    }
+
+    /// Nothing noted.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The part of the graph's bookkeeping that is per session, and the pass's scratch buffers.
+#[derive(Debug, Clone, Default)]
+pub(super) struct GraphSync {
+    /// Resource names by their node id in the graph.
+    res_of_node: BTreeMap<u64, String>,
+    /// Last resource node number handed out.
+    next_res_node: u64,
+    /// How many resources each session holds (sessions holding nothing are absent).
+    held: IdMap<SessionId, u32>,
+    /// The resources each session has an edge `w -> r` to.
+    edges_of: IdMap<SessionId, Vec<String>>,
+    /// Scratch: sessions whose count of held resources went to or from zero.
+    flipped: Vec<SessionId>,
+    /// Scratch: (touched index, session) of every queue change.
+    pairs: Vec<(usize, SessionId)>,
+    /// Scratch: resources outside the touched ones whose `w -> r` edges changed.
+    recheck: Vec<String>,
+    /// Scratch: candidate waits of a session that started holding something.
+    cand: Vec<String>,
+    /// Scratch: graph edits of the pass (every removal is applied before any addition, so
+    /// no cycle is reported through an edge about to go).
+    removals: Vec<(u64, u64)>,
+    additions: Vec<(u64, u64)>,
+}
+
+/// Counts one held resource more (`up`) or less for `s`; true when the count went from or
+/// to zero.
+fn bump(held: &mut IdMap<SessionId, u32>, s: SessionId, up: bool) -> bool {
+    if up {
+        let n = held.entry(s).or_insert(0);
+        *n += 1;
+        *n == 1
+    } else {
+        match held.get_mut(&s) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            Some(_) => {
+                held.remove(&s);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 impl Core {
@@ -50,82 +144,181 @@ impl Core {
         if self.table.touched.is_empty() {
             return;
         }
-        let touched = std::mem::take(&mut self.table.touched);
-        let mut cycles = Vec::new();
-        for r in touched {
-            let (holder, empty) = match self.table.resources.get(&r) {
-                Some(res) => (
-                    match &res.lease {
-                        LeaseState::Held(l) => Some(l.session),
-                        _ => None,
-                    },
-                    res.waiters.is_empty(),
-                ),
-                None => (None, true),
-            };
-            if holder.is_none() && empty && !self.synced.contains_key(&r) {
+        let mut touched = std::mem::take(&mut self.table.touched);
+        let names = &mut touched.names[..touched.len];
+        if names.len() > 1 {
+            names.sort_unstable();
+        }
+        // Holders (and the count of what each session holds) and queue changes.
+        let g = &mut self.graph;
+        for (i, r) in names.iter().enumerate() {
+            if i > 0 && names[i - 1] == *r {
                 continue;
             }
-            let mut sy = match self.synced.remove(&r) {
-                Some(sy) => sy,
-                None => {
-                    self.next_res_node += 1;
-                    let node = RESOURCE_BIT | self.next_res_node;
-                    self.res_of_node.insert(node, r.clone());
-                    Synced {
-                        node,
-                        ..Synced::default()
-                    }
-                }
+            let Some(res) = self.table.resources.get_mut(r) else {
+                continue;
             };
-            let rn = sy.node;
-            // The waiters' changes since the last pass, in order (O(changes)). Departures
-            // are applied before the holder moves: a waiter that became the holder leaves
-            // `w -> r` before `r -> w` appears.
-            let changes = match self.table.resources.get_mut(&r) {
-                Some(res) => std::mem::take(&mut res.waiters.changes),
-                None => Vec::new(),
+            let holder = match &res.lease {
+                LeaseState::Held(l) => Some(l.session),
+                _ => None,
             };
-            let mut joined = Vec::new();
-            for (w, join) in changes {
-                if join {
-                    joined.push(w);
-                } else if let Some(i) = joined.iter().position(|x| *x == w) {
-                    joined.remove(i);
-                } else if sy.waiters.remove(&w) {
-                    #[cfg(test)]
-                    if self.planted.stale_wait_edges {
-                        continue;
-                    }
-                    self.waitfor.remove_edge(w, rn);
-                }
+            for &(w, _) in &res.waiters.changes {
+                g.pairs.push((i, w));
             }
+            res.waiters.changes.clear();
+            let sy = &mut res.graph;
             if sy.holder != holder {
-                if let Some(h) = sy.holder {
-                    self.waitfor.remove_edge(rn, h);
+                if let Some(p) = sy.holder {
+                    if bump(&mut g.held, p, false) {
+                        g.flipped.push(p);
+                    }
+                }
+                if let Some(h) = holder {
+                    if bump(&mut g.held, h, true) {
+                        g.flipped.push(h);
+                    }
                 }
                 sy.holder = holder;
-                if let Some(h) = holder {
-                    if let Some(c) = self.waitfor.add_edge(rn, h) {
-                        cycles.push(c);
-                    }
-                }
-            }
-            for w in joined {
-                if sy.waiters.insert(w) {
-                    if let Some(c) = self.waitfor.add_edge(w, rn) {
-                        cycles.push(c);
-                    }
-                }
-            }
-            if sy.holder.is_some() || !sy.waiters.is_empty() {
-                self.synced.insert(r, sy);
-            } else {
-                self.res_of_node.remove(&rn);
             }
         }
+        // The `w -> r` edges: of every queue change, and of every session that started or
+        // stopped holding something.
+        let pairs = std::mem::take(&mut self.graph.pairs);
+        for &(i, w) in &pairs {
+            self.sync_wait(w, &names[i]);
+        }
+        let mut flipped = std::mem::take(&mut self.graph.flipped);
+        let mut cand = std::mem::take(&mut self.graph.cand);
+        for &w in &flipped {
+            cand.clear();
+            if self.graph.held.contains_key(&w) {
+                if let Some(sess) = self.sessions.get(&w) {
+                    cand.extend(sess.waits.iter().cloned());
+                    for id in &sess.gangs {
+                        if let Some(gang) = self.gangs.get(id).filter(|g| !g.granted) {
+                            cand.extend(gang.members.iter().cloned());
+                        }
+                    }
+                }
+            } else if let Some(v) = self.graph.edges_of.get(&w) {
+                cand.extend(v.iter().cloned());
+            }
+            for r in &cand {
+                self.sync_wait(w, r);
+            }
+        }
+        // The `r -> h` edges of every resource whose holder or `w -> r` edges changed.
+        for (i, r) in names.iter().enumerate() {
+            if i == 0 || names[i - 1] != *r {
+                self.sync_hold(r);
+            }
+        }
+        let mut recheck = std::mem::take(&mut self.graph.recheck);
+        for r in &recheck {
+            self.sync_hold(r);
+        }
+        // Removals first, then additions (the cycles they close).
+        let mut cycles = Vec::new();
+        for &(a, b) in &self.graph.removals {
+            self.waitfor.remove_edge(a, b);
+        }
+        for &(a, b) in &self.graph.additions {
+            if let Some(c) = self.waitfor.add_edge(a, b) {
+                cycles.push(c);
+            }
+        }
+        self.graph.removals.clear();
+        self.graph.additions.clear();
+        // The buffers go back for the next step.
+        let mut pairs = pairs;
+        pairs.clear();
+        self.graph.pairs = pairs;
+        flipped.clear();
+        self.graph.flipped = flipped;
+        cand.clear();
+        self.graph.cand = cand;
+        recheck.clear();
+        self.graph.recheck = recheck;
+        touched.len = 0;
+        self.table.touched = touched;
         for c in cycles {
             self.report_deadlock(now, &c);
+        }
+    }
+
+    /// Brings the edge `w -> r` in line with the table: wanted while `w` waits for `r` and
+    /// holds something.
+    fn sync_wait(&mut self, w: SessionId, r: &str) {
+        let holding = self.graph.held.contains_key(&w);
+        let edges = self.graph.edges_of.get(&w);
+        if !holding && edges.is_none() {
+            // Holds nothing and has no edge: nothing to look at (the usual waiter).
+            return;
+        }
+        let have = edges.is_some_and(|v| v.iter().any(|x| x == r));
+        let Some(res) = self.table.resources.get_mut(r) else {
+            return;
+        };
+        let queued = res.waiters.contains_session(w);
+        let want = holding && queued;
+        if want == have {
+            return;
+        }
+        #[cfg(test)]
+        if self.planted.stale_wait_edges && holding && !queued {
+            // The planted bug: a waiter that left keeps its edge.
+            return;
+        }
+        let g = &mut self.graph;
+        let sy = &mut res.graph;
+        if want {
+            if sy.node == 0 {
+                g.next_res_node += 1;
+                sy.node = RESOURCE_BIT | g.next_res_node;
+                g.res_of_node.insert(sy.node, r.to_string());
+            }
+            g.edges_of.entry(w).or_default().push(r.to_string());
+            sy.live_in += 1;
+            g.additions.push((w, sy.node));
+        } else {
+            if let Some(v) = g.edges_of.get_mut(&w) {
+                v.retain(|x| x != r);
+                if v.is_empty() {
+                    g.edges_of.remove(&w);
+                }
+            }
+            sy.live_in = sy.live_in.saturating_sub(1);
+            g.removals.push((w, sy.node));
+        }
+        g.recheck.push(r.to_string());
+    }
+
+    /// Brings the edge `r -> h` in line with the table: wanted while `r` has a holder and a
+    /// kept `w -> r` edge. Forgets `r`'s node once it has no edge.
+    fn sync_hold(&mut self, r: &str) {
+        let Some(res) = self.table.resources.get_mut(r) else {
+            return;
+        };
+        let g = &mut self.graph;
+        let sy = &mut res.graph;
+        let want = if sy.live_in > 0 { sy.holder } else { None };
+        if sy.edge_to != want {
+            if let Some(h) = sy.edge_to {
+                g.removals.push((sy.node, h));
+            }
+            if let Some(h) = want {
+                if sy.node == 0 {
+                    g.next_res_node += 1;
+                    sy.node = RESOURCE_BIT | g.next_res_node;
+                    g.res_of_node.insert(sy.node, r.to_string());
+                }
+                g.additions.push((sy.node, h));
+            }
+            sy.edge_to = want;
+        }
+        if sy.node != 0 && sy.live_in == 0 && sy.edge_to.is_none() {
+            g.res_of_node.remove(&sy.node);
+            sy.node = 0;
         }
     }
 
@@ -142,7 +335,7 @@ impl Core {
             let n = cycle[(start + k) % cycle.len()];
             if n & RESOURCE_BIT == 0 {
                 sessions.push(n);
-            } else if let Some(r) = self.res_of_node.get(&n) {
+            } else if let Some(r) = self.graph.res_of_node.get(&n) {
                 resources.push(r.clone());
             }
         }
@@ -293,6 +486,51 @@ mod tests {
         assert!(deadlock_notices(&out).is_empty());
         assert!(h.st().deadlocks.is_empty());
         assert_eq!(h.st().counters.deadlocks, 0);
+    }
+
+    #[test]
+    fn waiters_that_hold_nothing_cost_the_graph_nothing() {
+        let mut h = H::new();
+        for s in 1..=64 {
+            h.connect(s, "unix");
+            h.req(s, acq("r", &format!("c{s}"), true));
+        }
+        // The version-1 hand-over: the holder releases and queues again.
+        for round in 0..200u64 {
+            let s = round % 64 + 1;
+            h.req(s, Request::release("r"));
+            h.req(s, acq("r", &format!("c{s}"), true));
+            assert_eq!(h.core.waitfor.node_count(), 0, "round {round}");
+        }
+        assert!(h.core.graph.res_of_node.is_empty());
+        assert!(h.core.graph.edges_of.is_empty());
+    }
+
+    #[test]
+    fn a_waiter_that_starts_holding_gets_its_edges() {
+        // 1 waits for r2 while holding nothing (no edge); when it is granted r3, for which
+        // 2 waits, its wait for r2 (held by 2) closes the cycle 1 -> r2 -> 2 -> r3 -> 1.
+        let mut h = H::new();
+        h.connect(1000, "unix");
+        h.req(1000, Request::Watch);
+        for s in 1..=3 {
+            h.connect(s, "unix");
+        }
+        h.req(3, acq("r3", "three", true));
+        h.req(2, acq("r2", "two", true));
+        h.req(1, acq("r3", "one", true));
+        h.req(1, acq("r2", "one", true));
+        let out = h.req(2, acq("r3", "two", true));
+        assert!(deadlock_notices(&out).is_empty());
+        let out = h.req(3, Request::release("r3"));
+        assert!(H::granted(&out, 1).is_some());
+        assert_eq!(deadlock_notices(&out).len(), 1, "{out:?}");
+        assert!(h.core.waitfor.is_deadlocked(1) && h.core.waitfor.is_deadlocked(2));
+        // 1 lets r3 go: 2 gets it, 1 holds nothing, and its edges are gone.
+        let out = h.req(1, Request::release("r3"));
+        assert!(H::granted(&out, 2).is_some());
+        assert!(h.st().deadlocks.is_empty());
+        assert!(!h.core.graph.edges_of.contains_key(&1));
     }
 
     #[test]

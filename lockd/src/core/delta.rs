@@ -83,12 +83,18 @@ pub struct StateDelta {
     /// Counters per kind, whole.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub counters_by_kind: BTreeMap<LeaseKind, KindCounters>,
-    /// The TTL table's counters.
-    #[serde(default)]
+    /// The TTL table's counters (left out while zero, as a version-1 workload has them: read
+    /// back as zero all the same).
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub ttl_counters: TtlCounters,
-    /// The timed shared leases' counters.
-    #[serde(default)]
+    /// The timed shared leases' counters (likewise).
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub shared_ttl_counters: TtlCounters,
+}
+
+/// Counters still at zero (their default, which an absent field reads back as).
+fn is_zero(c: &TtlCounters) -> bool {
+    *c == TtlCounters::default()
 }
 
 impl StateDelta {

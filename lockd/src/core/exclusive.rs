@@ -230,26 +230,29 @@ impl Core {
 
     /// `release`: end the held lease (and grant the next waiter) or withdraw a queued acquire.
     pub(super) fn release(&mut self, now: Now, s: SessionId, resource: String) {
-        // A gang is released whole: releasing one member releases every member.
-        let gang = match self.table.resources.get(&resource).map(|r| &r.lease) {
-            Some(LeaseState::Held(l)) if l.session == s => l.gang,
+        // One look at the resource: held by this session (and as a member of which gang)?
+        let held = match self.table.resources.get(&resource).map(|r| &r.lease) {
+            Some(LeaseState::Held(l)) if l.session == s => Some(l.gang),
             _ => None,
         };
-        if let Some(g) = gang.filter(|g| self.gangs.contains_key(g)) {
+        // A gang is released whole: releasing one member releases every member.
+        if let Some(g) = held.flatten().filter(|g| self.gangs.contains_key(g)) {
             return self.gang_end(now, g, Some(s));
         }
-        // A waiting gang of this session, by its name.
-        let waiting = self.sessions.get(&s).and_then(|x| {
-            x.gangs.iter().copied().find(|g| {
-                self.gangs
-                    .get(g)
-                    .is_some_and(|g| !g.granted && g.label == resource)
-            })
-        });
-        if let Some(g) = waiting {
-            return self.gang_end(now, g, Some(s));
+        // A waiting gang of this session, by its name (no gang at all: nothing to look for).
+        if !self.gangs.is_empty() {
+            let waiting = self.sessions.get(&s).and_then(|x| {
+                x.gangs.iter().copied().find(|g| {
+                    self.gangs
+                        .get(g)
+                        .is_some_and(|g| !g.granted && g.label == resource)
+                })
+            });
+            if let Some(g) = waiting {
+                return self.gang_end(now, g, Some(s));
+            }
         }
-        if self.holder_session(&resource) == Some(s) {
+        if held.is_some() {
             if let Some(epoch) = self.end_lease(now, &resource) {
                 self.send(
                     s,

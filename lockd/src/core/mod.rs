@@ -211,12 +211,9 @@ pub struct Core {
     reservation_deadlines: BTreeSet<(Instant, String)>,
     /// The wait-for graph of sessions (exclusive leases and gangs).
     waitfor: crate::kinds::waitfor::WaitForGraph,
-    /// What the graph holds for each resource (its node, holder and waiters).
-    synced: BTreeMap<String, deadlock::Synced>,
-    /// Resource names by their node id in the graph.
-    res_of_node: BTreeMap<u64, String>,
-    /// Last resource node number handed out.
-    next_res_node: u64,
+    /// The graph's per-session bookkeeping (what each resource has in the graph is kept
+    /// in the table).
+    graph: deadlock::GraphSync,
     /// Gangs granted or waiting, by gang id.
     gangs: BTreeMap<u64, gang::Gang>,
     /// Deadlines of waiting gangs with a timeout: (deadline, gang id).
@@ -331,9 +328,7 @@ impl Core {
             gangs: BTreeMap::new(),
             gang_deadlines: BTreeSet::new(),
             waitfor: crate::kinds::waitfor::WaitForGraph::new(),
-            synced: BTreeMap::new(),
-            res_of_node: BTreeMap::new(),
-            next_res_node: 0,
+            graph: deadlock::GraphSync::default(),
             reservations: BTreeMap::new(),
             reservation_deadlines: BTreeSet::new(),
             boot_dirty: false,
@@ -473,6 +468,11 @@ impl Core {
             });
         }
         let tag = self.seq_requested;
+        if out.is_empty() && self.outbox.is_empty() && tag <= self.seq_done {
+            // Nothing waits for a write: this step's outputs go out as they are, without a
+            // trip through the outbox.
+            return std::mem::take(&mut self.pending);
+        }
         for o in self.pending.drain(..) {
             self.outbox.push_back((tag, o));
         }
@@ -636,7 +636,7 @@ impl Core {
             }
             Request::Status { sessions } => {
                 let st = self.status(now, sessions.unwrap_or(true));
-                self.send(s, Event::Status(st));
+                self.send(s, Event::Status(Box::new(st)));
             }
             Request::Renew {
                 lease_id,
@@ -647,7 +647,7 @@ impl Core {
             Request::Resume { lease_id, token } => self.resume(now, s, lease_id, token),
             Request::Lease { lease_id } => {
                 let r = self.lease_report(now, lease_id);
-                self.send(s, Event::Lease(r));
+                self.send(s, Event::Lease(Box::new(r)));
             }
             Request::Leases { resource, holder } => {
                 let leases = self.lease_reports(now, resource.as_deref(), holder.as_deref());

@@ -345,7 +345,7 @@ impl Core {
                         s,
                         Event::Offered {
                             pool,
-                            offer,
+                            offer: Box::new(offer),
                             renewal_refused,
                         },
                     );

@@ -173,6 +173,8 @@ pub(super) struct Resource {
     pub lease: LeaseState,
     /// Acquires waiting for it.
     pub waiters: Waiters,
+    /// What the wait-for graph has of it.
+    pub graph: super::deadlock::Synced,
 }
 
 impl Resource {
@@ -181,6 +183,7 @@ impl Resource {
             epoch,
             lease: LeaseState::Free,
             waiters: Waiters::default(),
+            graph: Default::default(),
         }
     }
 }
@@ -203,7 +206,7 @@ pub(super) struct Table {
     deadlines: BTreeSet<(Instant, String)>,
     /// Resources whose holder or waiters changed since the core last looked (the wait-for
     /// graph is updated from them at the end of each step).
-    pub touched: BTreeSet<String>,
+    pub touched: super::deadlock::Touched,
     /// Resources whose persisted record (epoch, holder) may have changed since the last
     /// incremental write (`Core::take_delta` takes them).
     pub noted: BTreeSet<String>,
@@ -243,9 +246,7 @@ impl Table {
 
     /// Note that the waiters of `name` changed.
     pub fn touch(&mut self, name: &str) {
-        if !self.touched.contains(name) {
-            self.touched.insert(name.to_string());
-        }
+        self.touched.touch(name);
     }
 
     /// A fresh waiter ticket, larger than every one before.
@@ -265,9 +266,7 @@ impl Table {
     pub fn set_lease(&mut self, name: &str, new: LeaseState) -> Option<LeaseState> {
         self.note(name);
         let res = self.resources.get_mut(name)?;
-        if !self.touched.contains(name) {
-            self.touched.insert(name.to_string());
-        }
+        self.touched.touch(name);
         let old = std::mem::replace(&mut res.lease, new);
         if let Some((id, holder)) = old.ident() {
             self.by_lease.remove(&id);

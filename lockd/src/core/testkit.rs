@@ -163,7 +163,7 @@ impl H {
     /// The `lease` report of `id`, asked on session `s`.
     pub(super) fn lease(&mut self, s: SessionId, id: u64) -> proto::LeaseReport {
         match H::to(&self.req(s, Request::Lease { lease_id: id }), s).pop() {
-            Some(Event::Lease(r)) => r,
+            Some(Event::Lease(r)) => *r,
             other => panic!("no lease report: {other:?}"),
         }
     }

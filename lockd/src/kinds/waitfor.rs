@@ -120,7 +120,7 @@ const DENSITY_BASE: f64 = 2.0 / 1.4;
 /// A fast hasher for the graph's integer keys (slots and session ids, both chosen by lockd,
 /// never by a client): one multiply and a fold, instead of SipHash.
 #[derive(Debug, Default, Clone, Copy)]
-struct IdHasher(u64);
+pub(crate) struct IdHasher(u64);
 
 impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
@@ -143,7 +143,7 @@ impl Hasher for IdHasher {
     }
 }
 
-type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
+pub(crate) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 type IdSet<K> = HashSet<K, BuildHasherDefault<IdHasher>>;
 
 /// One session with edges.
@@ -587,25 +587,29 @@ impl WaitForGraph {
         if let Some(&i) = self.index.get(&id) {
             return i;
         }
-        let node = Node {
-            id,
-            comp: 0,
-            out: IdMap::default(),
-            inn: IdSet::default(),
-            live: true,
-        };
+        // A free slot keeps its (empty) edge maps and a free component its member list:
+        // node churn allocates nothing once the graph has been this large.
         let i = match self.free_nodes.pop() {
             Some(i) => {
-                self.nodes[i as usize] = node;
+                let n = &mut self.nodes[i as usize];
+                n.id = id;
+                n.comp = 0;
+                n.live = true;
                 i
             }
             None => {
-                self.nodes.push(node);
+                self.nodes.push(Node {
+                    id,
+                    comp: 0,
+                    out: IdMap::default(),
+                    inn: IdSet::default(),
+                    live: true,
+                });
                 (self.nodes.len() - 1) as Ix
             }
         };
         self.index.insert(id, i);
-        let c = self.new_comp(vec![i]);
+        let c = self.new_comp_of(i);
         if first {
             self.prepend(c);
         } else {
@@ -640,6 +644,35 @@ impl WaitForGraph {
         }
     }
 
+    /// A new component of node `i` alone (not yet in the order), reusing a free slot's
+    /// member list.
+    fn new_comp_of(&mut self, i: Ix) -> Cx {
+        let c = match self.free_comps.pop() {
+            Some(c) => {
+                let comp = &mut self.comps[c as usize];
+                comp.key = 0;
+                comp.members.clear();
+                comp.members.push(i);
+                comp.fmark = 0;
+                comp.bmark = 0;
+                comp.live = true;
+                c
+            }
+            None => {
+                self.comps.push(Comp {
+                    key: 0,
+                    members: vec![i],
+                    fmark: 0,
+                    bmark: 0,
+                    live: true,
+                });
+                (self.comps.len() - 1) as Cx
+            }
+        };
+        self.nodes[i as usize].comp = c;
+        c
+    }
+
     /// A new component of `members` (not yet in the order), their `comp` set.
     fn new_comp(&mut self, members: Vec<Ix>) -> Cx {
         let comp = Comp {
@@ -672,7 +705,7 @@ impl WaitForGraph {
             self.order.remove(&comp.key);
         }
         comp.live = false;
-        comp.members = Vec::new();
+        comp.members.clear();
         self.cyclic.remove(&c);
         self.free_comps.push(c);
     }
@@ -681,8 +714,8 @@ impl WaitForGraph {
         let node = &mut self.nodes[i as usize];
         self.index.remove(&node.id);
         node.live = false;
-        node.out = IdMap::default();
-        node.inn = IdSet::default();
+        node.out.clear();
+        node.inn.clear();
         self.free_nodes.push(i);
     }
 

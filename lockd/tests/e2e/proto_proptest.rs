@@ -353,6 +353,44 @@ proptest! {
         let _ = decode_request(s.as_bytes(), 1024);
     }
 
+    /// The hand-parsed compact version-1 lines (`acquire` / `release`) decode exactly as
+    /// serde decodes them: the same line with its `op` key spelled with an escape (which
+    /// the fast path always leaves to serde) gives the same answer, for any names, any
+    /// spacing, with or without `wait`, and for near misses (a value of another type, a
+    /// stray byte).
+    #[test]
+    fn the_fast_path_decodes_as_serde_does(
+        op in prop::sample::select(vec!["acquire", "release", "status", "acquire "]),
+        resource in prop_oneof![name(), any::<String>(), Just(String::new())],
+        holder in prop_oneof![name(), any::<String>()],
+        wait in prop::option::of(prop_oneof![Just("true".to_string()), Just("false".to_string()), Just("1".to_string()), Just("\"x\"".to_string())]),
+        sp in prop::sample::select(vec!["", " ", "\t", "\r\n "]),
+        with_holder in any::<bool>(),
+        junk in prop::option::of(prop::sample::select(vec![",", "}", "x", "\u{0}", " "])),
+        raw in any::<bool>(),
+    ) {
+        // `raw`: names as they come, unescaped (mostly not JSON at all when they hold a
+        // quote or a control character); else JSON-encoded.
+        let enc = |v: &str| if raw { format!("\"{v}\"") } else { Value::String(v.to_string()).to_string() };
+        let body = |op_key: &str| {
+            let mut kv = vec![format!("{op_key}{sp}:{sp}\"{op}\""), format!("\"resource\":{sp}{}", enc(&resource))];
+            if with_holder {
+                kv.push(format!("\"holder\":{}", enc(&holder)));
+            }
+            if let Some(w) = &wait {
+                kv.push(format!("\"wait\"{sp}:{w}"));
+            }
+            format!("{sp}{{{}}}{sp}{}", kv.join(","), junk.unwrap_or(""))
+        };
+        let fast = decode_request(body("\"op\"").as_bytes(), 64 * 1024);
+        let slow = decode_request(body("\"\\u006fp\"").as_bytes(), 64 * 1024);
+        match (&fast, &slow) {
+            // serde's error messages quote the position: compare the kinds of error only.
+            (Err(a), Err(b)) => prop_assert_eq!(a.code(), b.code()),
+            _ => prop_assert_eq!(fast, slow),
+        }
+    }
+
     #[test]
     fn requests_round_trip(req in request()) {
         let line = encode_request(&req);
