@@ -72,6 +72,23 @@ fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> 
     }
 }
 
+/// `v` as one JSON line in `buf`, cleared first (the buffer is reused from write to write).
+fn encode_line<T: serde::Serialize>(
+    buf: &mut Vec<u8>,
+    v: &T,
+    what: &'static str,
+    path: &Path,
+) -> Result<(), PersistError> {
+    buf.clear();
+    serde_json::to_writer(&mut *buf, v).map_err(|e| PersistError::Io {
+        what,
+        path: path.to_path_buf(),
+        source: std::io::Error::other(e),
+    })?;
+    buf.push(b'\n');
+    Ok(())
+}
+
 /// One of our two state inodes (at `STATE` or at `STATE.tmp`).
 #[derive(Debug)]
 struct Spare {
@@ -454,24 +471,22 @@ impl StateFile {
         }
         delta.n = self.last_n + 1;
         let mut bytes = std::mem::take(&mut self.buf);
-        bytes.clear();
         let limit = self.compact_limit();
-        let r = serde_json::to_writer(&mut bytes, &*delta)
-            .map_err(|e| PersistError::Io {
-                what: "serialize journal line",
-                path: self.journal_path.clone(),
-                source: std::io::Error::other(e),
-            })
-            .and_then(|()| {
-                bytes.push(b'\n');
-                if self.journal_len + bytes.len() as u64 >= limit {
-                    return Ok(false);
-                }
-                j.write_all_at(&bytes, self.journal_len)
-                    .map_err(io("append to", &self.journal_path))?;
-                j.sync_data().map_err(io("fdatasync", &self.journal_path))?;
-                Ok(true)
-            });
+        let r = encode_line(
+            &mut bytes,
+            &*delta,
+            "serialize journal line",
+            &self.journal_path,
+        )
+        .and_then(|()| {
+            if self.journal_len + bytes.len() as u64 >= limit {
+                return Ok(false);
+            }
+            j.write_all_at(&bytes, self.journal_len)
+                .map_err(io("append to", &self.journal_path))?;
+            j.sync_data().map_err(io("fdatasync", &self.journal_path))?;
+            Ok(true)
+        });
         if matches!(r, Ok(true)) {
             self.journal_len += bytes.len() as u64;
             self.last_n = delta.n;
@@ -516,21 +531,12 @@ impl StateFile {
     /// whole.
     pub fn write(&mut self, state: &PersistedState) -> Result<(), PersistError> {
         let mut bytes = std::mem::take(&mut self.buf);
-        bytes.clear();
         let stamped = Stamped {
             state,
             journal: self.last_n,
         };
-        let r = serde_json::to_writer(&mut bytes, &stamped)
-            .map_err(|e| PersistError::Io {
-                what: "serialize state",
-                path: self.path.clone(),
-                source: std::io::Error::other(e),
-            })
-            .and_then(|()| {
-                bytes.push(b'\n');
-                self.write_bytes(&bytes)
-            });
+        let r = encode_line(&mut bytes, &stamped, "serialize state", &self.path)
+            .and_then(|()| self.write_bytes(&bytes));
         let len = bytes.len() as u64;
         self.buf = bytes;
         r?;
