@@ -1500,20 +1500,9 @@ impl LeaseFields {
     }
 }
 
-/// Appends `n` in decimal (as serde_json writes integers, without `core::fmt`).
-fn push_u64(s: &mut String, mut n: u64) {
-    let mut buf = [0u8; 20];
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    // ASCII digits only.
-    s.push_str(std::str::from_utf8(&buf[i..]).unwrap_or("0"));
+/// Appends `n` in decimal, as serde_json writes it (through `itoa`, as serde_json does).
+fn push_u64(s: &mut String, n: u64) {
+    s.push_str(itoa::Buffer::new().format(n));
 }
 
 /// Appends `v` as a JSON string, escaped as serde_json escapes it: `"` and `\`, the

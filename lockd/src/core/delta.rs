@@ -234,7 +234,7 @@ impl Core {
 
     /// What changed since the last call (or since the core was built): apply it to the
     /// state last written to get [`Core::snapshot`]. Clears the notes. The driver calls it
-    /// at every write; a write of the whole snapshot calls it too and drops the delta.
+    /// for every journal line; a write of the whole snapshot calls [`Core::drop_delta`].
     pub fn take_delta(&mut self) -> StateDelta {
         let notes = std::mem::take(&mut self.notes);
         let mut names: BTreeSet<String> = std::mem::take(&mut self.table.noted);
