@@ -370,7 +370,6 @@ impl Driver {
         // and one whose line would bring the journal to its compaction bound write the
         // whole state instead (and empty the journal).
         let appended = if self.state.wants_snapshot() || self.core.change_is_large() {
-            self.core.drop_delta();
             Ok(false)
         } else {
             let mut delta = self.core.take_delta();
@@ -378,10 +377,8 @@ impl Driver {
         };
         let r = if let Ok(false) = appended {
             let (compaction, journal_bytes) = (self.state.journal_open(), self.state.journal_len());
-            let state = self.core.snapshot();
-            let r = self.state.write(&state);
+            let r = self.write_snapshot();
             if r.is_ok() {
-                self.metrics.snapshots.inc();
                 if compaction {
                     info!(journal_bytes, "journal compacted into a state snapshot");
                 } else {
@@ -412,15 +409,20 @@ impl Driver {
         if self.fatal.is_some() || !self.state.journal_open() || self.state.journal_len() == 0 {
             return;
         }
-        self.core.drop_delta();
-        let state = self.core.snapshot();
-        match self.state.write(&state) {
-            Ok(()) => {
-                self.metrics.snapshots.inc();
-                info!("journal compacted into a state snapshot at stop");
-            }
+        match self.write_snapshot() {
+            Ok(()) => info!("journal compacted into a state snapshot at stop"),
             Err(e) => warn!(error = %e, "state snapshot at stop failed; the journal stays"),
         }
+    }
+
+    /// Write the core's whole state (which covers, and so replaces, what was noted for the
+    /// journal) and count it.
+    fn write_snapshot(&mut self) -> Result<(), PersistError> {
+        self.core.drop_delta();
+        let state = self.core.snapshot();
+        self.state.write(&state)?;
+        self.metrics.snapshots.inc();
+        Ok(())
     }
 
     fn send(&mut self, session: SessionId, event: &Event) {
