@@ -3,12 +3,14 @@
 //! * [`proto`]: the line-delimited JSON wire protocol (see `PROTOCOL.md`).
 //! * [`core`]: the pure state machine (sessions, resources, leases, epochs); no I/O.
 //! * [`persist`]: the durable state file (tmp + fsync + rename + fsync dir) and its lock file.
+//! * [`etcd`]: `lockd serve --backend etcd` (leases held in etcd, self-fencing, fenced puts).
 //! * [`server`]: the tokio driver that feeds sockets, timers and persistence into the core.
 //! * [`client`]: the async client library used by the supervisor and `lockd hold`.
 //! * [`lease_client`]: the async client for the version-2 lease kinds (TTL, shared, quantity).
 
 pub mod client;
 pub mod core;
+pub mod etcd;
 pub mod kinds;
 pub mod lease_client;
 pub mod line;

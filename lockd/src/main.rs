@@ -169,9 +169,9 @@ struct ServeArgs {
     /// Listener (repeatable): unix:PATH (socket mode 0660) or tcp:HOST:PORT.
     #[arg(long, env = "LOCKD_LISTEN", value_delimiter = ',', required = true)]
     listen: Vec<Endpoint>,
-    /// Durable state file (a STATE.lock beside it keeps a second lockd away).
-    #[arg(long, env = "LOCKD_STATE")]
-    state: PathBuf,
+    /// Durable state file (a STATE.lock beside it keeps a second lockd away); file backend only.
+    #[arg(long, env = "LOCKD_STATE", required_unless_present = "etcd_endpoints")]
+    state: Option<PathBuf>,
     /// After a restart, how long a persisted holder has to reclaim its lease.
     #[arg(long, env = "LOCKD_RECONNECT_WINDOW", default_value = "10s", value_parser = humantime::parse_duration)]
     reconnect_window: Duration,
@@ -225,6 +225,48 @@ struct ServeArgs {
     /// Offers of quantity pools to set at startup (JSON, see PROTOCOL.md "Offers file").
     #[arg(long, env = "LOCKD_OFFERS")]
     offers: Option<PathBuf>,
+    #[command(flatten)]
+    etcd: EtcdArgs,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendArg {
+    /// The state file (`--state`): one lockd per pod or node.
+    File,
+    /// Leases held in etcd (docs/ETCD.md): lockds on many nodes, one lock space.
+    Etcd,
+}
+
+/// `--backend etcd` (docs/ETCD.md).
+#[derive(clap::Args)]
+struct EtcdArgs {
+    /// Where leases are held: `file` (--state) or `etcd` (--etcd-endpoints).
+    #[arg(long, env = "LOCKD_BACKEND", value_enum, default_value = "file")]
+    backend: BackendArg,
+    /// etcd client URLs, comma-separated (http://HOST:PORT).
+    #[arg(long, env = "LOCKD_ETCD_ENDPOINTS", value_delimiter = ',')]
+    etcd_endpoints: Vec<String>,
+    /// TTL of each session's etcd lease (whole seconds; etcd may raise it to its minimum).
+    #[arg(long, env = "LOCKD_ETCD_TTL", default_value = "5s", value_parser = humantime::parse_duration)]
+    etcd_ttl: Duration,
+    /// Key prefix of the locks: `PREFIX/RESOURCE/LEASE`; fenced puts go to `PREFIX.data/KEY`.
+    #[arg(long, env = "LOCKD_ETCD_PREFIX", default_value = "/lockd")]
+    etcd_prefix: String,
+    /// Self-fence margin: the holder's kill-and-reap time after `revoked` (lost).
+    #[arg(long, env = "LOCKD_ETCD_KILL_TIME", default_value = "500ms", value_parser = humantime::parse_duration)]
+    etcd_kill_time: Duration,
+    /// Self-fence margin: lockd's own scheduling pause allowance.
+    #[arg(long, env = "LOCKD_ETCD_PAUSE", default_value = "100ms", value_parser = humantime::parse_duration)]
+    etcd_pause: Duration,
+    /// Self-fence margin: clock-rate difference bound between lockd and etcd, in ppm of the TTL.
+    #[arg(long, env = "LOCKD_ETCD_DRIFT_PPM", default_value_t = 10_000)]
+    etcd_drift_ppm: u32,
+    /// Bound on one etcd call.
+    #[arg(long, env = "LOCKD_ETCD_OP_TIMEOUT", default_value = "1s", value_parser = humantime::parse_duration)]
+    etcd_op_timeout: Duration,
+    /// This lockd's name in lock keys' values (`holder@NODE`); default: hostname.
+    #[arg(long, env = "LOCKD_ETCD_NODE")]
+    etcd_node: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -604,9 +646,22 @@ async fn serve(a: ServeArgs) -> ExitCode {
             return ExitCode::from(EXIT_ERROR);
         }
     };
+    let shutdown = async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    };
+    if a.etcd.backend == BackendArg::Etcd {
+        return serve_etcd(a, shutdown).await;
+    }
+    let Some(state) = a.state else {
+        eprintln!("lockd: --state is required with --backend file");
+        return ExitCode::from(2);
+    };
     let cfg = ServeConfig {
         listen: a.listen,
-        state: a.state,
+        state,
         reconnect_window: a.reconnect_window,
         metrics: a.metrics,
         admin_token: a.admin_token,
@@ -638,10 +693,46 @@ async fn serve(a: ServeArgs) -> ExitCode {
             return ExitCode::from(EXIT_ERROR);
         }
     };
-    let shutdown = async move {
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
+    match server.run(shutdown).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("lockd: {e}");
+            ExitCode::from(EXIT_ERROR)
+        }
+    }
+}
+
+async fn serve_etcd(a: ServeArgs, shutdown: impl std::future::Future<Output = ()>) -> ExitCode {
+    use lockd::etcd::{server::EtcdServer, EtcdConfig, Margin};
+    let e = a.etcd;
+    let node = e.etcd_node.unwrap_or_else(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "lockd".into())
+    });
+    let cfg = EtcdConfig {
+        listen: a.listen,
+        endpoints: e.etcd_endpoints,
+        prefix: e.etcd_prefix.trim_end_matches('/').to_string(),
+        ttl: e.etcd_ttl,
+        margin: Margin {
+            drift_ppm: e.etcd_drift_ppm,
+            pause: e.etcd_pause,
+            kill: e.etcd_kill_time,
+        },
+        planted_bug_no_margin: std::env::var("LOCKD_PLANTED_BUG_FENCE_NO_MARGIN")
+            .is_ok_and(|v| v == "1"),
+        admin_token: a.admin_token,
+        max_line: a.max_line,
+        idle_timeout: a.idle_timeout,
+        op_timeout: e.etcd_op_timeout,
+        node,
+    };
+    let server = match EtcdServer::bind(cfg).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("lockd: {e}");
+            return ExitCode::from(EXIT_ERROR);
         }
     };
     match server.run(shutdown).await {

@@ -1,0 +1,569 @@
+//! Self-fencing before an etcd lease can expire: a pure state machine (time is an input).
+//!
+//! lockd keeps one etcd lease per local session alive with keepalives. etcd restarts a
+//! lease's TTL when its leader *processes* a keepalive, which is after lockd *sent* it; so
+//! after the keepalive sent at `s` is acknowledged with TTL `T`, etcd cannot expire the lease
+//! (and so cannot let another node's waiter be granted) before `s + T` on etcd's clock. On
+//! lockd's monotonic clock that is no earlier than `s + T·(1 − ε)` where `ε` bounds the
+//! difference of the two clocks' rates. lockd must have its holders dead by then: it tells
+//! them `lost` at the **deadline**
+//!
+//! ```text
+//! deadline = s + T − margin,   margin = T·ε + pause + kill
+//! ```
+//!
+//! where `pause` covers lockd's own scheduling delay between the deadline and the `revoked`
+//! event reaching the holder, and `kill` is the time the holder's supervisor needs to kill and
+//! reap its engine after that event. Every acknowledged keepalive moves the deadline forward;
+//! a keepalive that is never acknowledged (etcd unreachable, partition, etcd's leader gone)
+//! moves nothing. An acknowledgement with TTL ≤ 0 means etcd no longer has the lease: lost at
+//! once.
+//!
+//! Acknowledgements are matched to sends in order (one keepalive stream: etcd answers the
+//! requests of a stream one by one, in order); a new stream forgets the sends of the old one
+//! (`StreamReset`), so an answer can never be credited to a later send than its own.
+//!
+//! [`Fence::step`] returns what changed; the driver logs one line per transition, sleeps
+//! until [`Fence::deadline`], and on [`FenceOutput::Lost`] sends every local holder of the
+//! session a `revoked` event whose reason starts with `lost:`.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+/// What the margin is made of (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Margin {
+    /// Bound on the rate difference between lockd's monotonic clock and etcd's leader's, in
+    /// parts per million of the TTL.
+    pub drift_ppm: u32,
+    /// lockd's own scheduling delay (timer lateness, a GC-free but still preemptible
+    /// process) between the deadline and the holder reading `revoked`.
+    pub pause: Duration,
+    /// The holder's supervisor's kill-and-reap time after `revoked` (measured, see
+    /// docs/ETCD.md).
+    pub kill: Duration,
+}
+
+impl Margin {
+    /// The margin for a lease of `ttl`.
+    pub fn of(&self, ttl: Duration) -> Duration {
+        let drift = ttl.as_micros() * u128::from(self.drift_ppm) / 1_000_000;
+        Duration::from_micros(u64::try_from(drift).unwrap_or(u64::MAX)) + self.pause + self.kill
+    }
+}
+
+/// An input to the fence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FenceInput {
+    /// The lease was granted with this TTL (seconds) in answer to a request sent at
+    /// `sent_at` (the grant is the first "acknowledged keepalive").
+    Granted {
+        /// When the grant request was sent.
+        sent_at: Instant,
+        /// The TTL etcd granted, in seconds.
+        ttl_secs: i64,
+    },
+    /// A keepalive was sent on the current stream (at `now`).
+    Sent,
+    /// The oldest unanswered keepalive of the current stream was answered with this TTL
+    /// (seconds; ≤ 0: etcd does not know the lease any more).
+    Acked {
+        /// TTL in the answer.
+        ttl_secs: i64,
+    },
+    /// The keepalive stream was replaced: its unanswered sends can never be credited.
+    StreamReset,
+    /// Time passes (the driver's timer at the deadline, or any wakeup).
+    Tick,
+}
+
+/// What the driver must do or log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FenceOutput {
+    /// The deadline moved (to this instant): log at debug.
+    Renewed {
+        /// The new deadline.
+        deadline: Instant,
+    },
+    /// Tell every local holder of the session `revoked` (reason `lost:…`) now, and treat the
+    /// lease as gone. Emitted once.
+    Lost {
+        /// Why: the deadline passed, or etcd answered TTL ≤ 0.
+        cause: LostCause,
+    },
+}
+
+/// Why the lease is treated as lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LostCause {
+    /// No keepalive sent after `last_acked_send` was acknowledged before the deadline.
+    DeadlinePassed {
+        /// How long before `now` the last acknowledged keepalive was sent.
+        since_last_ack: Duration,
+        /// The deadline that passed.
+        deadline: Instant,
+    },
+    /// etcd answered a keepalive with TTL ≤ 0: it has expired or revoked the lease.
+    EtcdExpired,
+}
+
+/// The state of one session's lease, as far as fencing is concerned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Phase {
+    /// No lease yet.
+    Idle,
+    /// Renewed in time; lost at `deadline` unless renewed.
+    Live {
+        /// Send time of the last acknowledged keepalive (or of the grant request).
+        last_acked_send: Instant,
+        /// The TTL etcd gave with that acknowledgement.
+        ttl: Duration,
+    },
+    /// Holders were told; nothing more happens.
+    Lost,
+}
+
+/// The fence of one session's etcd lease.
+#[derive(Debug, Clone)]
+pub struct Fence {
+    margin: Margin,
+    /// PLANTED BUG switch (tests only): ignore the margin, fence at the lease's expiry.
+    no_margin: bool,
+    phase: Phase,
+    /// Send times of the keepalives of the current stream not answered yet, oldest first.
+    pending: VecDeque<Instant>,
+}
+
+/// At most this many unanswered keepalives are remembered (older ones cannot matter: they
+/// would only move the deadline less than the newer ones).
+const MAX_PENDING: usize = 64;
+
+impl Fence {
+    /// A fence with this margin.
+    pub fn new(margin: Margin) -> Fence {
+        Fence {
+            margin,
+            no_margin: false,
+            phase: Phase::Idle,
+            pending: VecDeque::new(),
+        }
+    }
+
+    /// The planted bug of the fence test: the deadline ignores the margin (holders are told
+    /// only when etcd may already have expired the lease).
+    pub fn planted_bug_no_margin(mut self) -> Fence {
+        self.no_margin = true;
+        self
+    }
+
+    /// The current phase.
+    pub fn phase(&self) -> &Phase {
+        &self.phase
+    }
+
+    /// When holders are told `lost` unless renewed (None: idle or lost already).
+    pub fn deadline(&self) -> Option<Instant> {
+        match self.phase {
+            Phase::Live {
+                last_acked_send,
+                ttl,
+            } => Some(last_acked_send + ttl.saturating_sub(self.margin_for(ttl))),
+            _ => None,
+        }
+    }
+
+    fn margin_for(&self, ttl: Duration) -> Duration {
+        if self.no_margin {
+            Duration::ZERO
+        } else {
+            self.margin.of(ttl)
+        }
+    }
+
+    /// Feed one input at `now`.
+    pub fn step(&mut self, now: Instant, input: FenceInput) -> Option<FenceOutput> {
+        if self.phase == Phase::Lost {
+            return None;
+        }
+        // Time first: a deadline that passed before this input is lost whatever it is (an
+        // acknowledgement arriving after the deadline cannot undo the telling).
+        if let Some(out) = self.check_deadline(now) {
+            return Some(out);
+        }
+        match input {
+            FenceInput::Granted { sent_at, ttl_secs } => {
+                self.pending.clear();
+                self.credit(sent_at, ttl_secs)
+            }
+            FenceInput::Sent => {
+                if self.pending.len() == MAX_PENDING {
+                    self.pending.pop_front();
+                }
+                self.pending.push_back(now);
+                None
+            }
+            FenceInput::Acked { ttl_secs } => match self.pending.pop_front() {
+                Some(sent_at) => self.credit(sent_at, ttl_secs),
+                // An answer to nothing we sent on this stream: credit nothing.
+                None => None,
+            },
+            FenceInput::StreamReset => {
+                self.pending.clear();
+                None
+            }
+            FenceInput::Tick => None,
+        }
+    }
+
+    fn check_deadline(&mut self, now: Instant) -> Option<FenceOutput> {
+        let (deadline, last) = match (&self.phase, self.deadline()) {
+            (
+                Phase::Live {
+                    last_acked_send, ..
+                },
+                Some(d),
+            ) => (d, *last_acked_send),
+            _ => return None,
+        };
+        if now < deadline {
+            return None;
+        }
+        self.phase = Phase::Lost;
+        self.pending.clear();
+        Some(FenceOutput::Lost {
+            cause: LostCause::DeadlinePassed {
+                since_last_ack: now.saturating_duration_since(last),
+                deadline,
+            },
+        })
+    }
+
+    fn credit(&mut self, sent_at: Instant, ttl_secs: i64) -> Option<FenceOutput> {
+        if ttl_secs <= 0 {
+            self.phase = Phase::Lost;
+            self.pending.clear();
+            return Some(FenceOutput::Lost {
+                cause: LostCause::EtcdExpired,
+            });
+        }
+        let ttl = Duration::from_secs(u64::try_from(ttl_secs).unwrap_or(0));
+        // Never move the deadline backwards (an answer to an older send, or a smaller TTL,
+        // must not shorten what a newer answer proved... nor lengthen past what it proves).
+        let new_deadline = sent_at + ttl.saturating_sub(self.margin_for(ttl));
+        if let Some(d) = self.deadline() {
+            if new_deadline <= d {
+                return None;
+            }
+        }
+        self.phase = Phase::Live {
+            last_acked_send: sent_at,
+            ttl,
+        };
+        Some(FenceOutput::Renewed {
+            deadline: new_deadline,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// TTL 2 s, drift 1 % (20 ms), pause 100 ms, kill 500 ms: margin 620 ms.
+    fn fence() -> Fence {
+        Fence::new(Margin {
+            drift_ppm: 10_000,
+            pause: ms(100),
+            kill: ms(500),
+        })
+    }
+
+    #[test]
+    fn margin_adds_drift_pause_and_kill() {
+        let m = Margin {
+            drift_ppm: 10_000,
+            pause: ms(100),
+            kill: ms(500),
+        };
+        assert_eq!(m.of(Duration::from_secs(2)), ms(620));
+        assert_eq!(m.of(Duration::from_secs(5)), ms(650));
+    }
+
+    #[test]
+    fn idle_fence_has_no_deadline_and_never_fires() {
+        let t0 = Instant::now();
+        let mut f = fence();
+        assert_eq!(f.deadline(), None);
+        assert_eq!(f.step(t0 + ms(100_000), FenceInput::Tick), None);
+        assert_eq!(f.phase(), &Phase::Idle);
+    }
+
+    #[test]
+    fn grant_sets_the_deadline_from_the_request_send_time() {
+        let t0 = Instant::now();
+        let mut f = fence();
+        let out = f.step(
+            t0 + ms(5),
+            FenceInput::Granted {
+                sent_at: t0,
+                ttl_secs: 2,
+            },
+        );
+        assert_eq!(
+            out,
+            Some(FenceOutput::Renewed {
+                deadline: t0 + ms(1380)
+            })
+        );
+        assert_eq!(f.deadline(), Some(t0 + ms(1380)));
+    }
+
+    #[test]
+    fn ack_credits_the_send_time_not_the_ack_time() {
+        let t0 = Instant::now();
+        let mut f = fence();
+        f.step(
+            t0,
+            FenceInput::Granted {
+                sent_at: t0,
+                ttl_secs: 2,
+            },
+        );
+        assert_eq!(f.step(t0 + ms(500), FenceInput::Sent), None);
+        // Answered 300 ms later: the deadline counts from the send (500), not the answer.
+        let out = f.step(t0 + ms(800), FenceInput::Acked { ttl_secs: 2 });
+        assert_eq!(
+            out,
+            Some(FenceOutput::Renewed {
+                deadline: t0 + ms(500 + 1380)
+            })
+        );
+    }
+
+    #[test]
+    fn acks_are_matched_to_sends_in_order() {
+        let t0 = Instant::now();
+        let mut f = fence();
+        f.step(
+            t0,
+            FenceInput::Granted {
+                sent_at: t0,
+                ttl_secs: 2,
+            },
+        );
+        f.step(t0 + ms(100), FenceInput::Sent);
+        f.step(t0 + ms(200), FenceInput::Sent);
+        assert_eq!(
+            f.step(t0 + ms(250), FenceInput::Acked { ttl_secs: 2 }),
+            Some(FenceOutput::Renewed {
+                deadline: t0 + ms(100 + 1380)
+            })
+        );
+        assert_eq!(
+            f.step(t0 + ms(260), FenceInput::Acked { ttl_secs: 2 }),
+            Some(FenceOutput::Renewed {
+                deadline: t0 + ms(200 + 1380)
+            })
+        );
+        // A third answer without a send credits nothing.
+        assert_eq!(
+            f.step(t0 + ms(270), FenceInput::Acked { ttl_secs: 2 }),
+            None
+        );
+        assert_eq!(f.deadline(), Some(t0 + ms(1580)));
+    }
+
+    #[test]
+    fn unanswered_keepalives_do_not_move_the_deadline_and_it_fires_once() {
+        let t0 = Instant::now();
+        let mut f = fence();
+        f.step(
+            t0,
+            FenceInput::Granted {
+                sent_at: t0,
+                ttl_secs: 2,
+            },
+        );
+        for i in 1..=4 {
+            assert_eq!(f.step(t0 + ms(300 * i), FenceInput::Sent), None);
+        }
+        assert_eq!(f.step(t0 + ms(1379), FenceInput::Tick), None);
+        let out = f.step(t0 + ms(1380), FenceInput::Tick);
+        assert_eq!(
+            out,
+            Some(FenceOutput::Lost {
+                cause: LostCause::DeadlinePassed {
+                    since_last_ack: ms(1380),
+                    deadline: t0 + ms(1380)
+                }
+            })
+        );
+        assert_eq!(f.phase(), &Phase::Lost);
+        assert_eq!(f.deadline(), None);
+        // Once only, and nothing revives it.
+        assert_eq!(f.step(t0 + ms(1400), FenceInput::Tick), None);
+        assert_eq!(
+            f.step(t0 + ms(1400), FenceInput::Acked { ttl_secs: 2 }),
+            None
+        );
+    }
+
+    #[test]
+    fn an_ack_arriving_after_the_deadline_does_not_undo_it() {
+        let t0 = Instant::now();
+        let mut f = fence();
+        f.step(
+            t0,
+            FenceInput::Granted {
+                sent_at: t0,
+                ttl_secs: 2,
+            },
+        );
+        f.step(t0 + ms(1000), FenceInput::Sent);
+        // The answer comes late (after the deadline at 1380): lost, not renewed.
+        let out = f.step(t0 + ms(1500), FenceInput::Acked { ttl_secs: 2 });
+        assert!(matches!(out, Some(FenceOutput::Lost { .. })), "{out:?}");
+    }
+
+    #[test]
+    fn etcd_answering_ttl_zero_is_lost_at_once() {
+        let t0 = Instant::now();
+        let mut f = fence();
+        f.step(
+            t0,
+            FenceInput::Granted {
+                sent_at: t0,
+                ttl_secs: 2,
+            },
+        );
+        f.step(t0 + ms(100), FenceInput::Sent);
+        assert_eq!(
+            f.step(t0 + ms(110), FenceInput::Acked { ttl_secs: 0 }),
+            Some(FenceOutput::Lost {
+                cause: LostCause::EtcdExpired
+            })
+        );
+    }
+
+    #[test]
+    fn stream_reset_forgets_unanswered_sends() {
+        let t0 = Instant::now();
+        let mut f = fence();
+        f.step(
+            t0,
+            FenceInput::Granted {
+                sent_at: t0,
+                ttl_secs: 2,
+            },
+        );
+        f.step(t0 + ms(100), FenceInput::Sent);
+        assert_eq!(f.step(t0 + ms(200), FenceInput::StreamReset), None);
+        // The new stream's first answer belongs to its first send (at 300), never to 100.
+        f.step(t0 + ms(300), FenceInput::Sent);
+        assert_eq!(
+            f.step(t0 + ms(310), FenceInput::Acked { ttl_secs: 2 }),
+            Some(FenceOutput::Renewed {
+                deadline: t0 + ms(300 + 1380)
+            })
+        );
+    }
+
+    #[test]
+    fn the_deadline_never_moves_backwards() {
+        let t0 = Instant::now();
+        let mut f = fence();
+        f.step(
+            t0 + ms(1000),
+            FenceInput::Granted {
+                sent_at: t0 + ms(1000),
+                ttl_secs: 5,
+            },
+        );
+        let d = f.deadline().unwrap();
+        f.step(t0 + ms(1100), FenceInput::Sent);
+        // A smaller TTL in the answer would shorten it: ignored (the longer proof stands).
+        assert_eq!(
+            f.step(t0 + ms(1200), FenceInput::Acked { ttl_secs: 2 }),
+            None
+        );
+        assert_eq!(f.deadline(), Some(d));
+    }
+
+    #[test]
+    fn planted_bug_fences_only_at_expiry() {
+        let t0 = Instant::now();
+        let mut f = fence().planted_bug_no_margin();
+        f.step(
+            t0,
+            FenceInput::Granted {
+                sent_at: t0,
+                ttl_secs: 2,
+            },
+        );
+        assert_eq!(f.deadline(), Some(t0 + ms(2000)));
+        assert_eq!(f.step(t0 + ms(1999), FenceInput::Tick), None);
+        assert!(f.step(t0 + ms(2000), FenceInput::Tick).is_some());
+    }
+
+    /// The safety property the margin buys, over a sweep of keepalive schedules: whenever the
+    /// fence fires, the holder (told at the deadline, dead `pause + kill` later at worst) is
+    /// dead before etcd's earliest possible expiry of the lease `s + T·(1 − ε)`; and with the
+    /// planted bug it is not.
+    #[test]
+    fn holders_are_dead_before_the_earliest_expiry() {
+        let m = Margin {
+            drift_ppm: 10_000,
+            pause: ms(100),
+            kill: ms(500),
+        };
+        let t0 = Instant::now();
+        for ttl_secs in [2i64, 3, 5, 10] {
+            let ttl = Duration::from_secs(ttl_secs as u64);
+            for last_ack_at in [0u64, 250, 700, 1200] {
+                for bug in [false, true] {
+                    let mut f = Fence::new(m);
+                    if bug {
+                        f = f.planted_bug_no_margin();
+                    }
+                    f.step(
+                        t0,
+                        FenceInput::Granted {
+                            sent_at: t0,
+                            ttl_secs,
+                        },
+                    );
+                    f.step(t0 + ms(last_ack_at), FenceInput::Sent);
+                    f.step(t0 + ms(last_ack_at + 1), FenceInput::Acked { ttl_secs });
+                    // Then silence: step every ms until it fires.
+                    let mut now = t0 + ms(last_ack_at + 1);
+                    let told = loop {
+                        if let Some(FenceOutput::Lost { .. }) = f.step(now, FenceInput::Tick) {
+                            break now;
+                        }
+                        now += ms(1);
+                    };
+                    let dead_by = told + m.pause + m.kill;
+                    let drift = ttl.as_micros() as u64 * u64::from(m.drift_ppm) / 1_000_000;
+                    let earliest_expiry = t0 + ms(last_ack_at) + ttl - Duration::from_micros(drift);
+                    if bug {
+                        assert!(
+                            dead_by > earliest_expiry,
+                            "the planted bug must be caught (ttl {ttl_secs})"
+                        );
+                    } else {
+                        assert!(
+                            dead_by <= earliest_expiry,
+                            "ttl {ttl_secs}, last ack {last_ack_at}: dead by {:?} after the \
+                             earliest expiry",
+                            dead_by - earliest_expiry
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,1732 @@
+//! The tokio driver of `lockd serve --backend etcd` (see the module docs of [`super`]).
+//!
+//! One task per local connection owns its session: the lines it reads, its etcd lease (granted
+//! at its first `acquire`, kept alive and fenced by a keepalive task), its held locks and one
+//! task per waiting acquire (etcd's mutex recipe, [`super::mutex`]). Those tasks report back
+//! on the session's channel. When the connection closes (and its anchors, if any, have all
+//! closed) the session's etcd lease is revoked at once: every lock key of the session goes
+//! with it and the next waiter, on any lockd, is granted. A shared registry holds what
+//! `status`, `revoke` and `watch` need across sessions.
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use etcd_client::{Client, ConnectOptions};
+use serde::Deserialize;
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::{debug, error, info, warn};
+
+use super::fence::{Fence, FenceInput, FenceOutput, LostCause};
+use super::mutex::{self, EtcdError, FencedPut, Standing};
+use super::{EtcdConfig, EtcdServeError};
+use crate::line::LineBuf;
+use crate::proto::{
+    self, Counters, ErrorCode, Event, LeaseState, Notice, NoticeKind, PeerInfo, Request,
+    ResourceReport, SessionReport, StatusReport,
+};
+use crate::Endpoint;
+
+/// The feature `hello` announces on this backend: `put_fenced` (no version-2 lease kinds).
+pub const ETCD_FEATURES: &[&str] = &["put_fenced"];
+/// Events waiting for a client that does not read before it is disconnected.
+const OUTBOUND_QUEUE: usize = 1024;
+/// Lock keys `status` reads at most.
+const STATUS_MAX_KEYS: i64 = 10_000;
+/// Descriptors received and not yet claimed by an `anchor` request.
+const MAX_PENDING_FDS: usize = 4;
+
+/// `put_fenced`: write `key = value` in etcd only while this connection owns `resource`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct PutFenced {
+    /// The resource whose lock must still be ours.
+    pub resource: String,
+    /// The data key (written as `<prefix>.data/<key>`).
+    pub key: String,
+    /// The value.
+    pub value: String,
+}
+
+/// A `put_fenced` line, if this is one (the op is not part of the file backend's protocol).
+fn decode_put_fenced(line: &[u8]) -> Option<Result<PutFenced, String>> {
+    #[derive(Deserialize)]
+    struct Op {
+        op: String,
+    }
+    let op: Op = serde_json::from_slice(line).ok()?;
+    if op.op != "put_fenced" {
+        return None;
+    }
+    Some(
+        serde_json::from_slice::<PutFenced>(line)
+            .map_err(|e| e.to_string())
+            .and_then(|p| {
+                for (what, s) in [("resource", &p.resource), ("key", &p.key)] {
+                    if s.is_empty()
+                        || s.len() > proto::MAX_NAME_LEN
+                        || s.chars().any(|c| c.is_control())
+                    {
+                        return Err(format!(
+                            "{what} must be 1..={} bytes without control characters",
+                            proto::MAX_NAME_LEN
+                        ));
+                    }
+                }
+                Ok(p)
+            }),
+    )
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn error_line(code: &str, message: impl Into<String>, resource: Option<&str>) -> String {
+    Event::Error {
+        code: code.to_string(),
+        message: message.into(),
+        resource: resource.map(str::to_string),
+    }
+    .encode()
+}
+
+/// What the registry knows of one session.
+struct SessionInfo {
+    peer: PeerInfo,
+    out: mpsc::Sender<String>,
+    holds: Vec<String>,
+    waits: Vec<String>,
+    watching: bool,
+    connected: bool,
+    anchors: u32,
+}
+
+/// A lock held by a session of this lockd.
+#[derive(Clone)]
+struct LocalHold {
+    session: u64,
+    holder: String,
+    epoch: u64,
+    granted_at_unix_ms: u64,
+    revoked: bool,
+}
+
+/// Shared across sessions: status, revoke, watch.
+#[derive(Default)]
+struct Registry {
+    next_session: u64,
+    sessions: BTreeMap<u64, SessionInfo>,
+    holds: BTreeMap<String, LocalHold>,
+    /// Local waiters per resource, in arrival order: (session, holder).
+    waiters: BTreeMap<String, Vec<(u64, String)>>,
+    counters: Counters,
+}
+
+impl Registry {
+    fn notify(&self, n: Notice) {
+        let line = Event::Notice(n).encode();
+        for s in self.sessions.values().filter(|s| s.watching) {
+            let _ = s.out.try_send(line.clone());
+        }
+    }
+}
+
+struct Ctx {
+    cfg: EtcdConfig,
+    client: Client,
+    reg: Mutex<Registry>,
+    /// etcd leases granted and not yet revoked (revoked at shutdown).
+    live: Mutex<std::collections::BTreeSet<i64>>,
+}
+
+impl Ctx {
+    fn live_leases(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<i64>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn reg(&self) -> std::sync::MutexGuard<'_, Registry> {
+        // A panic while holding the lock cannot leave it half-updated in a way that matters
+        // more than stopping: keep serving with what is there.
+        self.reg.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn notice(&self, kind: NoticeKind, resource: &str, holder: &str, epoch: u64, session: u64) {
+        self.notice_with(kind, resource, holder, epoch, session, false, None);
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn notice_with(
+        &self,
+        kind: NoticeKind,
+        resource: &str,
+        holder: &str,
+        epoch: u64,
+        session: u64,
+        after_revoke: bool,
+        reason: Option<String>,
+    ) {
+        self.reg().notify(Notice {
+            kind,
+            resource: resource.to_string(),
+            holder: Some(holder.to_string()),
+            epoch,
+            session: Some(session),
+            reclaimed: false,
+            after_revoke,
+            reason,
+            at_unix_ms: unix_ms(),
+            lease_id: None,
+            lease_kind: None,
+            version: None,
+        });
+    }
+}
+
+/// The bound server.
+pub struct EtcdServer {
+    ctx: Arc<Ctx>,
+    unix: Vec<(UnixListener, std::path::PathBuf)>,
+    tcp: Vec<TcpListener>,
+}
+
+fn bind_unix(path: &std::path::Path) -> Result<UnixListener, EtcdServeError> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let endpoint = format!("unix:{}", path.display());
+    if let Ok(md) = std::fs::symlink_metadata(path) {
+        if !md.file_type().is_socket() {
+            return Err(EtcdServeError::Bind {
+                endpoint,
+                source: std::io::Error::other("exists and is not a socket"),
+            });
+        }
+        match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => return Err(EtcdServeError::SocketInUse(endpoint)),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                info!(path = %path.display(), "removing stale socket");
+                let _ = std::fs::remove_file(path);
+            }
+            Err(source) => return Err(EtcdServeError::Bind { endpoint, source }),
+        }
+    }
+    let l = UnixListener::bind(path).map_err(|source| EtcdServeError::Bind {
+        endpoint: endpoint.clone(),
+        source,
+    })?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .map_err(|source| EtcdServeError::Bind { endpoint, source })?;
+    Ok(l)
+}
+
+impl EtcdServer {
+    /// Check the settings, connect to etcd (bounded) and bind every listener.
+    pub async fn bind(cfg: EtcdConfig) -> Result<EtcdServer, EtcdServeError> {
+        if cfg.listen.is_empty() {
+            return Err(EtcdServeError::NoListener);
+        }
+        if cfg.endpoints.is_empty() {
+            return Err(EtcdServeError::NoEndpoints);
+        }
+        let margin = cfg.margin.of(cfg.ttl);
+        if margin >= cfg.ttl {
+            return Err(EtcdServeError::MarginTooLarge {
+                margin,
+                ttl: cfg.ttl,
+            });
+        }
+        let endpoints = cfg.endpoints.join(",");
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(cfg.op_timeout)
+            .with_keep_alive(Duration::from_secs(1), cfg.op_timeout);
+        let mut client = mutex::bounded(
+            cfg.op_timeout,
+            Client::connect(cfg.endpoints.clone(), Some(opts)),
+        )
+        .await
+        .map_err(|source| EtcdServeError::Connect {
+            endpoints: endpoints.clone(),
+            source,
+        })?;
+        // One round trip, so that a wrong endpoint fails here and not at the first acquire.
+        mutex::bounded(cfg.op_timeout, client.status())
+            .await
+            .map_err(|source| EtcdServeError::Connect {
+                endpoints: endpoints.clone(),
+                source,
+            })?;
+        let mut unix = Vec::new();
+        let mut tcp = Vec::new();
+        for ep in &cfg.listen {
+            match ep {
+                Endpoint::Unix(p) => unix.push((bind_unix(p)?, p.clone())),
+                Endpoint::Tcp(hp) => {
+                    let l = TcpListener::bind(hp.as_str()).await.map_err(|source| {
+                        EtcdServeError::Bind {
+                            endpoint: ep.to_string(),
+                            source,
+                        }
+                    })?;
+                    tcp.push(l);
+                }
+            }
+        }
+        info!(endpoints = %endpoints, prefix = %cfg.prefix, ttl = ?cfg.ttl, margin = ?margin,
+            planted_bug_no_margin = cfg.planted_bug_no_margin, "lockd serving with the etcd backend");
+        if cfg.planted_bug_no_margin {
+            warn!("PLANTED BUG: the self-fence ignores its margin (holders are told only at the lease's expiry)");
+        }
+        Ok(EtcdServer {
+            ctx: Arc::new(Ctx {
+                cfg,
+                client,
+                reg: Mutex::new(Registry::default()),
+                live: Mutex::new(std::collections::BTreeSet::new()),
+            }),
+            unix,
+            tcp,
+        })
+    }
+
+    /// Serve until `shutdown` resolves; then every session's etcd lease is revoked.
+    pub async fn run(
+        self,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> Result<(), EtcdServeError> {
+        let mut tasks: Vec<JoinHandle<()>> = Vec::new();
+        let mut conns: Vec<JoinHandle<()>> = Vec::new();
+        let paths: Vec<std::path::PathBuf> = self.unix.iter().map(|(_, p)| p.clone()).collect();
+        let (conn_tx, mut conn_rx) = mpsc::unbounded_channel::<JoinHandle<()>>();
+        for (l, _) in self.unix {
+            let ctx = self.ctx.clone();
+            let ctx_tx = conn_tx.clone();
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    match l.accept().await {
+                        Ok((s, _)) => {
+                            let peer = unix_peer(&s);
+                            let (r, w) = s.into_split();
+                            let h = tokio::spawn(session(
+                                ctx.clone(),
+                                Reader::Unix(r),
+                                Writer::Unix(w),
+                                peer,
+                            ));
+                            let _ = ctx_tx.send(h);
+                        }
+                        Err(e) => {
+                            error!(error = %e, "accept failed");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                }
+            }));
+        }
+        for l in self.tcp {
+            let ctx = self.ctx.clone();
+            let ctx_tx = conn_tx.clone();
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    match l.accept().await {
+                        Ok((s, addr)) => {
+                            let _ = s.set_nodelay(true);
+                            let peer = PeerInfo {
+                                transport: "tcp".into(),
+                                addr: Some(addr.to_string()),
+                                ..PeerInfo::default()
+                            };
+                            let (r, w) = s.into_split();
+                            let h = tokio::spawn(session(
+                                ctx.clone(),
+                                Reader::Tcp(r),
+                                Writer::Tcp(w),
+                                peer,
+                            ));
+                            let _ = ctx_tx.send(h);
+                        }
+                        Err(e) => {
+                            error!(error = %e, "accept failed");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                }
+            }));
+        }
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                Some(h) = conn_rx.recv() => {
+                    conns.retain(|c| !c.is_finished());
+                    conns.push(h);
+                }
+            }
+        }
+        info!("stopping: revoking every session's etcd lease");
+        for t in tasks {
+            t.abort();
+        }
+        for c in &conns {
+            c.abort();
+        }
+        // Sessions aborted mid-way: revoke what the registry does not know was revoked.
+        let leases: Vec<i64> = std::mem::take(&mut *self.ctx.live_leases())
+            .into_iter()
+            .collect();
+        let mut client = self.ctx.client.clone();
+        for id in leases {
+            if let Err(e) = mutex::bounded(self.ctx.cfg.op_timeout, client.lease_revoke(id)).await {
+                warn!(lease = format_args!("{id:016x}"), error = %e, "cannot revoke at stop; it expires with its TTL");
+            }
+        }
+        for p in paths {
+            let _ = std::fs::remove_file(p);
+        }
+        Ok(())
+    }
+}
+
+fn unix_peer(s: &tokio::net::UnixStream) -> PeerInfo {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    let mut p = PeerInfo {
+        transport: "unix".into(),
+        ..PeerInfo::default()
+    };
+    if let Ok(c) = getsockopt(s, PeerCredentials) {
+        p.pid = Some(c.pid());
+        p.uid = Some(c.uid());
+        p.gid = Some(c.gid());
+    }
+    p
+}
+
+/// The read half of a connection.
+enum Reader {
+    Unix(tokio::net::unix::OwnedReadHalf),
+    Tcp(tokio::net::tcp::OwnedReadHalf),
+}
+
+impl Reader {
+    /// Read into `lb` (descriptors that come along into `fds`); 0 at end-of-file.
+    async fn read(&mut self, lb: &mut LineBuf, fds: &mut Vec<OwnedFd>) -> std::io::Result<usize> {
+        loop {
+            let r = match self {
+                Reader::Tcp(r) => {
+                    r.readable().await?;
+                    lb.read_with(|room| r.try_read(room))
+                }
+                Reader::Unix(r) => {
+                    r.readable().await?;
+                    let s: &tokio::net::UnixStream = r.as_ref();
+                    lb.read_with(|room| {
+                        s.try_io(tokio::io::Interest::READABLE, || {
+                            recv_with_fds(s.as_raw_fd(), room, fds)
+                        })
+                    })
+                }
+            };
+            match r {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                r => return r,
+            }
+        }
+    }
+}
+
+/// recvmsg: bytes into `buf`, descriptors (SCM_RIGHTS, close-on-exec) into `fds`.
+fn recv_with_fds(fd: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::Result<usize> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    let mut cmsg = nix::cmsg_space!([RawFd; 16]);
+    let mut iov = [std::io::IoSliceMut::new(buf)];
+    let msg = recvmsg::<()>(
+        fd,
+        &mut iov,
+        Some(&mut cmsg),
+        MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT,
+    )
+    .map_err(std::io::Error::from)?;
+    if let Ok(cmsgs) = msg.cmsgs() {
+        for c in cmsgs {
+            if let ControlMessageOwned::ScmRights(v) = c {
+                // SAFETY: the kernel just installed these descriptors for us; nobody else
+                // owns them.
+                fds.extend(v.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+            }
+        }
+    }
+    Ok(msg.bytes)
+}
+
+/// The write half of a connection.
+enum Writer {
+    Unix(tokio::net::unix::OwnedWriteHalf),
+    Tcp(tokio::net::tcp::OwnedWriteHalf),
+}
+
+impl Writer {
+    async fn write_all(&mut self, b: &[u8]) -> std::io::Result<()> {
+        use tokio::io::AsyncWriteExt;
+        match self {
+            Writer::Unix(w) => w.write_all(b).await,
+            Writer::Tcp(w) => w.write_all(b).await,
+        }
+    }
+}
+
+/// Whether an anchor descriptor is a stream socket (EOF = every holder of its peer gone) or a
+/// pidfd (readable = the process exited).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AnchorKind {
+    Socket,
+    Process,
+}
+
+fn anchor_kind(fd: &OwnedFd) -> Result<AnchorKind, String> {
+    use nix::sys::socket::{getsockopt, sockopt, SockType};
+    match getsockopt(fd, sockopt::SockType) {
+        Ok(SockType::Stream) | Ok(SockType::SeqPacket) => Ok(AnchorKind::Socket),
+        Ok(t) => Err(format!(
+            "the descriptor is a {t:?} socket, not a stream socket"
+        )),
+        Err(e) => {
+            let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+                .map(|p| p.display().to_string())
+                .unwrap_or_default();
+            if link == "anon_inode:[pidfd]" {
+                Ok(AnchorKind::Process)
+            } else {
+                Err(format!("the descriptor is not a socket ({e}) nor a pidfd"))
+            }
+        }
+    }
+}
+
+async fn watch_anchor(kind: AnchorKind, fd: OwnedFd) -> String {
+    use nix::sys::socket::{recv, MsgFlags};
+    // SAFETY: `fd` is an OwnedFd moved into the AsyncFd, which owns it until dropped.
+    let afd = match unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+    } {
+        Ok(a) => a,
+        Err(e) => return format!("cannot watch it: {e}"),
+    };
+    let mut sink = [0u8; 512];
+    loop {
+        let mut guard = match afd.readable().await {
+            Ok(g) => g,
+            Err(e) => return format!("watch failed: {e}"),
+        };
+        if kind == AnchorKind::Process {
+            use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+            let mut p = [PollFd::new(
+                std::os::fd::AsFd::as_fd(afd.get_ref()),
+                PollFlags::POLLIN,
+            )];
+            if matches!(poll(&mut p, PollTimeout::ZERO), Ok(n) if n > 0) {
+                return "process exited".into();
+            }
+            guard.clear_ready();
+            continue;
+        }
+        match recv(afd.get_ref().as_raw_fd(), &mut sink, MsgFlags::MSG_DONTWAIT) {
+            Ok(0) => return "eof".into(),
+            Ok(_) => continue,
+            Err(nix::errno::Errno::EAGAIN) => guard.clear_ready(),
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return format!("read failed: {e}"),
+        }
+    }
+}
+
+/// What a session's helper tasks tell it.
+enum Msg {
+    /// An acquire task: our key is the owner.
+    Granted {
+        resource: String,
+        key: String,
+        epoch: u64,
+    },
+    /// An acquire task: waiting behind `ahead` keys.
+    Queued { resource: String, position: usize },
+    /// An acquire task (wait=false): somebody else owns it (its key's value).
+    Busy { resource: String, holder: String },
+    /// The keepalive task: the lease must be treated as lost (holders told now).
+    Lost { cause: String },
+    /// An anchor closed.
+    AnchorClosed { why: String },
+}
+
+/// The session's etcd lease.
+struct SessionLease {
+    id: i64,
+    keeper: JoinHandle<()>,
+}
+
+struct Held {
+    key: String,
+    epoch: u64,
+    holder: String,
+    lost: bool,
+}
+
+struct Session {
+    ctx: Arc<Ctx>,
+    id: u64,
+    out: mpsc::Sender<String>,
+    tx: mpsc::UnboundedSender<Msg>,
+    lease: Option<SessionLease>,
+    held: BTreeMap<String, Held>,
+    waiting: BTreeMap<String, (String, JoinHandle<()>)>,
+    anchors: u32,
+    pending_fds: Vec<OwnedFd>,
+    connected: bool,
+    /// Set when the client cannot keep up: the connection is closed.
+    slow: bool,
+}
+
+async fn session(ctx: Arc<Ctx>, mut reader: Reader, mut writer: Writer, peer: PeerInfo) {
+    let (out, mut out_rx) = mpsc::channel::<String>(OUTBOUND_QUEUE);
+    let (tx, mut rx) = mpsc::unbounded_channel::<Msg>();
+    let id = {
+        let mut reg = ctx.reg();
+        reg.next_session += 1;
+        let id = reg.next_session;
+        reg.sessions.insert(
+            id,
+            SessionInfo {
+                peer: peer.clone(),
+                out: out.clone(),
+                holds: Vec::new(),
+                waits: Vec::new(),
+                watching: false,
+                connected: true,
+                anchors: 0,
+            },
+        );
+        id
+    };
+    info!(session = id, transport = %peer.transport, pid = ?peer.pid, addr = ?peer.addr, "session opened");
+    let writer_task = tokio::spawn(async move {
+        while let Some(line) = out_rx.recv().await {
+            if writer.write_all(line.as_bytes()).await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut s = Session {
+        ctx: ctx.clone(),
+        id,
+        out,
+        tx,
+        lease: None,
+        held: BTreeMap::new(),
+        waiting: BTreeMap::new(),
+        anchors: 0,
+        pending_fds: Vec::new(),
+        connected: true,
+        slow: false,
+    };
+    s.send(
+        Event::Hello {
+            server: "lockd".into(),
+            version: proto::PROTOCOL_VERSION,
+            session: id,
+            features: ETCD_FEATURES.iter().map(|f| f.to_string()).collect(),
+        }
+        .encode(),
+    );
+    let mut lb = LineBuf::new(ctx.cfg.max_line);
+    let idle = tokio::time::sleep(ctx.cfg.idle_timeout);
+    tokio::pin!(idle);
+    let mut any_request = false;
+    let close_why: String = loop {
+        if s.slow {
+            break "slow consumer".into();
+        }
+        if !s.connected && s.anchors == 0 {
+            break "connection and anchors closed".into();
+        }
+        tokio::select! {
+            r = reader.read(&mut lb, &mut s.pending_fds), if s.connected => {
+                match r {
+                    Ok(0) => { s.disconnected("eof").await; continue; }
+                    Err(e) => { s.disconnected(&format!("read failed: {e}")).await; continue; }
+                    Ok(_) => {}
+                }
+                if s.pending_fds.len() > MAX_PENDING_FDS {
+                    warn!(session = id, received = s.pending_fds.len(), "descriptors without anchor requests; dropping the excess");
+                    s.pending_fds.truncate(MAX_PENDING_FDS);
+                }
+                let mut close = None;
+                while let Some(item) = lb.next_line() {
+                    match item {
+                        Ok(line) => {
+                            if line.iter().all(|b| b.is_ascii_whitespace()) {
+                                continue;
+                            }
+                            any_request = true;
+                            s.on_line(&line).await;
+                        }
+                        Err(e) => {
+                            s.send(error_line(ErrorCode::LineTooLong.as_str(), e.to_string(), None));
+                            close = Some("line too long");
+                            break;
+                        }
+                    }
+                }
+                if let Some(why) = close {
+                    s.disconnected(why).await;
+                }
+            }
+            Some(m) = rx.recv() => s.on_msg(m).await,
+            _ = &mut idle, if !any_request && s.connected => {
+                s.send(error_line(ErrorCode::IdleTimeout.as_str(), "no request within the idle timeout", None));
+                s.disconnected("idle timeout").await;
+            }
+        }
+    };
+    s.end(&close_why).await;
+    drop(s);
+    // The writer drains what is queued, then ends (every sender is gone).
+    let _ = tokio::time::timeout(Duration::from_secs(1), writer_task).await;
+}
+
+impl Session {
+    fn send(&mut self, line: String) {
+        if !self.connected {
+            return;
+        }
+        match self.out.try_send(line) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                warn!(
+                    session = self.id,
+                    "slow consumer: outbound queue full; closing"
+                );
+                self.slow = true;
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => self.slow = true,
+        }
+    }
+
+    fn op_timeout(&self) -> Duration {
+        self.ctx.cfg.op_timeout
+    }
+
+    /// The connection closed (the session lives on while anchors are open).
+    async fn disconnected(&mut self, why: &str) {
+        if !self.connected {
+            return;
+        }
+        self.connected = false;
+        info!(
+            session = self.id,
+            why,
+            anchors = self.anchors,
+            held = self.held.len(),
+            "connection closed"
+        );
+        if let Some(si) = self.ctx.reg().sessions.get_mut(&self.id) {
+            si.connected = false;
+        }
+        // Queued acquires are withdrawn (nobody is left to be told of a grant).
+        let waits: Vec<String> = self.waiting.keys().cloned().collect();
+        for r in waits {
+            self.cancel_wait(&r);
+        }
+    }
+
+    /// The session ends: revoke its etcd lease at once (every key of the session goes).
+    async fn end(&mut self, why: &str) {
+        let waits: Vec<String> = self.waiting.keys().cloned().collect();
+        for r in waits {
+            self.cancel_wait(&r);
+        }
+        if let Some(l) = self.lease.take() {
+            l.keeper.abort();
+            let t0 = Instant::now();
+            let mut client = self.ctx.client.clone();
+            let mut ok = false;
+            for attempt in 0..3 {
+                match mutex::bounded(self.op_timeout(), client.lease_revoke(l.id)).await {
+                    Ok(_) => {
+                        ok = true;
+                        break;
+                    }
+                    Err(e) => {
+                        warn!(session = self.id, lease = format_args!("{:016x}", l.id), attempt, error = %e, "cannot revoke the etcd lease");
+                    }
+                }
+            }
+            if ok {
+                self.ctx.live_leases().remove(&l.id);
+            }
+            info!(
+                session = self.id,
+                lease = format_args!("{:016x}", l.id),
+                revoked = ok,
+                took_us = t0.elapsed().as_micros() as u64,
+                "session's etcd lease revoked"
+            );
+        }
+        let held = std::mem::take(&mut self.held);
+        for (r, h) in held {
+            self.forget_hold(&r, &h, "session ended");
+        }
+        self.ctx.reg().sessions.remove(&self.id);
+        info!(session = self.id, why, "session closed");
+    }
+
+    fn forget_hold(&self, resource: &str, h: &Held, why: &str) {
+        let after_revoke = {
+            let mut reg = self.ctx.reg();
+            let was = reg.holds.remove(resource);
+            let after_revoke = was.as_ref().is_some_and(|w| w.revoked);
+            if after_revoke {
+                // Counted once, as a revocation.
+            } else {
+                reg.counters.releases += 1;
+            }
+            if let Some(si) = reg.sessions.get_mut(&self.id) {
+                si.holds.retain(|x| x != resource);
+            }
+            after_revoke
+        };
+        info!(session = self.id, resource, epoch = h.epoch, holder = %h.holder, why, "lock released");
+        self.ctx.notice_with(
+            NoticeKind::Released,
+            resource,
+            &h.holder,
+            h.epoch,
+            self.id,
+            after_revoke,
+            None,
+        );
+    }
+
+    fn cancel_wait(&mut self, resource: &str) {
+        if let Some((_holder, task)) = self.waiting.remove(resource) {
+            task.abort();
+            if let Some(l) = &self.lease {
+                // The key may have been put already: delete it (idempotent).
+                let key = mutex::lock_key(&self.ctx.cfg.prefix, resource, l.id);
+                spawn_delete(self.ctx.clone(), key);
+            }
+        }
+        let mut reg = self.ctx.reg();
+        if let Some(w) = reg.waiters.get_mut(resource) {
+            w.retain(|(s, _)| *s != self.id);
+            if w.is_empty() {
+                reg.waiters.remove(resource);
+            }
+        }
+        if let Some(si) = reg.sessions.get_mut(&self.id) {
+            si.waits.retain(|x| x != resource);
+        }
+    }
+
+    async fn on_line(&mut self, line: &[u8]) {
+        let req = match proto::decode_request(line, self.ctx.cfg.max_line) {
+            Ok(r) => r,
+            Err(proto::DecodeError::UnknownOp(op)) if op == "put_fenced" => {
+                match decode_put_fenced(line) {
+                    Some(Ok(p)) => return self.put_fenced(p).await,
+                    Some(Err(e)) => {
+                        return self.send(error_line(ErrorCode::BadRequest.as_str(), e, None))
+                    }
+                    None => {
+                        return self.send(error_line(
+                            ErrorCode::BadRequest.as_str(),
+                            "malformed put_fenced",
+                            None,
+                        ))
+                    }
+                }
+            }
+            Err(e) => return self.send(error_line(e.code().as_str(), e.to_string(), None)),
+        };
+        match req {
+            Request::Ping => self.send(Event::Pong {}.encode()),
+            Request::Acquire {
+                resource,
+                holder,
+                wait,
+                ext,
+            } => {
+                if ext != proto::AcquireExt::default() {
+                    return self.send(unsupported(
+                        &format!(
+                            "lease kind {:?} (or gang / reserve) with acquire",
+                            ext.kind().as_str()
+                        ),
+                        Some(&resource),
+                    ));
+                }
+                self.acquire(resource, holder, wait).await
+            }
+            Request::Release {
+                resource: Some(resource),
+                lease_id: None,
+                token: None,
+            } => self.release(&resource),
+            Request::Release { .. } => {
+                self.send(unsupported("release by lease_id", None));
+            }
+            Request::Reclaim { resource, .. } => self.send(error_line(
+                ErrorCode::ReclaimRefused.as_str(),
+                "etcd backend: a lease is bound to its lockd session's etcd lease and cannot be reclaimed on a new connection",
+                Some(&resource),
+            )),
+            Request::Revoke {
+                resource: Some(resource),
+                lease_id: None,
+                reason,
+                admin_token,
+            } => self.revoke(&resource, reason, admin_token).await,
+            Request::Revoke { .. } => self.send(unsupported("revoke by lease_id", None)),
+            Request::Status { .. } => self.status().await,
+            Request::Watch => {
+                if let Some(si) = self.ctx.reg().sessions.get_mut(&self.id) {
+                    si.watching = true;
+                }
+                self.send(Event::Watching {}.encode());
+            }
+            Request::Anchor => self.anchor(),
+            Request::Renew { .. }
+            | Request::Commit { .. }
+            | Request::Resume { .. }
+            | Request::Start { .. }
+            | Request::Lease { .. }
+            | Request::Leases { .. }
+            | Request::Offer { .. }
+            | Request::Withdraw { .. } => self.send(unsupported(
+                "the version-2 lease ops (renew, commit, resume, start, lease, leases, offer, withdraw)",
+                None,
+            )),
+        }
+    }
+
+    fn is_tcp(&self) -> bool {
+        self.ctx
+            .reg()
+            .sessions
+            .get(&self.id)
+            .is_some_and(|s| s.peer.transport == "tcp")
+    }
+
+    fn anchor(&mut self) {
+        let fd = if self.is_tcp() {
+            Err("anchors need a unix socket, not tcp".to_string())
+        } else if self.pending_fds.is_empty() {
+            Err(
+                "no file descriptor came with the anchor request (send it with SCM_RIGHTS)"
+                    .to_string(),
+            )
+        } else {
+            let fd = self.pending_fds.remove(0);
+            anchor_kind(&fd).map(|k| (k, fd))
+        };
+        match fd {
+            Ok((kind, fd)) => {
+                self.anchors += 1;
+                if let Some(si) = self.ctx.reg().sessions.get_mut(&self.id) {
+                    si.anchors = self.anchors;
+                }
+                info!(session = self.id, kind = ?kind, anchors = self.anchors, "anchor attached");
+                let tx = self.tx.clone();
+                tokio::spawn(async move {
+                    let why = watch_anchor(kind, fd).await;
+                    let _ = tx.send(Msg::AnchorClosed { why });
+                });
+                self.send(
+                    Event::Anchored {
+                        anchors: self.anchors,
+                    }
+                    .encode(),
+                );
+            }
+            Err(why) => {
+                warn!(session = self.id, error = %why, "anchor refused");
+                self.send(error_line(ErrorCode::AnchorRefused.as_str(), why, None));
+            }
+        }
+    }
+
+    /// The session's etcd lease, granted (and its keepalive started) at first use.
+    async fn ensure_lease(&mut self) -> Result<i64, EtcdError> {
+        if let Some(l) = &self.lease {
+            return Ok(l.id);
+        }
+        let ttl_secs = self.ctx.cfg.ttl.as_secs_f64().ceil().max(1.0) as i64;
+        let mut client = self.ctx.client.clone();
+        let sent_at = Instant::now();
+        let g = mutex::bounded(self.op_timeout(), client.lease_grant(ttl_secs, None)).await?;
+        let id = g.id();
+        self.ctx.live_leases().insert(id);
+        info!(
+            session = self.id,
+            lease = format_args!("{id:016x}"),
+            ttl_secs = g.ttl(),
+            "etcd lease granted"
+        );
+        let keeper = tokio::spawn(keep_alive(
+            self.ctx.clone(),
+            self.id,
+            id,
+            sent_at,
+            g.ttl(),
+            self.tx.clone(),
+        ));
+        self.lease = Some(SessionLease { id, keeper });
+        Ok(id)
+    }
+
+    async fn acquire(&mut self, resource: String, holder: String, wait: bool) {
+        if self.held.contains_key(&resource) {
+            return self.send(error_line(
+                ErrorCode::AlreadyHeld.as_str(),
+                "this connection holds it",
+                Some(&resource),
+            ));
+        }
+        if self.waiting.contains_key(&resource) {
+            return self.send(error_line(
+                ErrorCode::AlreadyQueued.as_str(),
+                "this connection waits for it",
+                Some(&resource),
+            ));
+        }
+        let lease = match self.ensure_lease().await {
+            Ok(l) => l,
+            Err(e) => {
+                warn!(session = self.id, resource = %resource, error = %e, "cannot get an etcd lease");
+                return self.send(error_line(
+                    ErrorCode::Unavailable.as_str(),
+                    format!("etcd backend: cannot get an etcd lease: {e}"),
+                    Some(&resource),
+                ));
+            }
+        };
+        let key = mutex::lock_key(&self.ctx.cfg.prefix, &resource, lease);
+        let value = format!("{holder}@{}", self.ctx.cfg.node);
+        let task = tokio::spawn(acquire_task(
+            self.ctx.clone(),
+            self.id,
+            resource.clone(),
+            key,
+            value,
+            lease,
+            wait,
+            self.tx.clone(),
+        ));
+        self.waiting
+            .insert(resource.clone(), (holder.clone(), task));
+        let mut reg = self.ctx.reg();
+        reg.waiters
+            .entry(resource.clone())
+            .or_default()
+            .push((self.id, holder));
+        if let Some(si) = reg.sessions.get_mut(&self.id) {
+            si.waits.push(resource);
+        }
+    }
+
+    fn release(&mut self, resource: &str) {
+        if let Some(h) = self.held.remove(resource) {
+            spawn_delete(self.ctx.clone(), h.key.clone());
+            self.forget_hold(resource, &h, "released");
+            self.send(
+                Event::Released {
+                    resource: resource.to_string(),
+                    epoch: h.epoch,
+                    lease_id: None,
+                }
+                .encode(),
+            );
+        } else if self.waiting.contains_key(resource) {
+            self.cancel_wait(resource);
+            self.send(
+                Event::Cancelled {
+                    resource: resource.to_string(),
+                }
+                .encode(),
+            );
+        } else {
+            self.send(error_line(
+                ErrorCode::NotHolder.as_str(),
+                "this connection neither holds nor waits for it",
+                Some(resource),
+            ));
+        }
+    }
+
+    async fn revoke(&mut self, resource: &str, reason: Option<String>, token: Option<String>) {
+        if self.is_tcp()
+            && (self.ctx.cfg.admin_token.is_none() || token != self.ctx.cfg.admin_token)
+        {
+            return self.send(error_line(
+                ErrorCode::Unauthorized.as_str(),
+                "revoke over TCP needs lockd's --admin-token",
+                Some(resource),
+            ));
+        }
+        let reason = reason.unwrap_or_else(|| "revoked by operator".into());
+        let found = {
+            let mut reg = self.ctx.reg();
+            let hold = reg.holds.get_mut(resource).map(|h| {
+                let first = !h.revoked;
+                h.revoked = true;
+                (h.clone(), first)
+            });
+            if let Some((h, first)) = &hold {
+                if *first {
+                    reg.counters.revocations += 1;
+                }
+                if let Some(si) = reg.sessions.get(&h.session) {
+                    let _ = si.out.try_send(
+                        Event::Revoked {
+                            resource: resource.to_string(),
+                            epoch: h.epoch,
+                            reason: reason.clone(),
+                        }
+                        .encode(),
+                    );
+                }
+            }
+            hold
+        };
+        match found {
+            Some((h, _)) => {
+                info!(session = self.id, resource, epoch = h.epoch, holder = %h.holder, reason = %reason, "lock revoked");
+                self.ctx.notice_with(
+                    NoticeKind::Revoked,
+                    resource,
+                    &h.holder,
+                    h.epoch,
+                    h.session,
+                    false,
+                    Some(reason),
+                );
+                self.send(
+                    Event::RevokeSent {
+                        resource: resource.to_string(),
+                        epoch: h.epoch,
+                        holder: Some(h.holder),
+                    }
+                    .encode(),
+                );
+            }
+            None => {
+                let mut client = self.ctx.client.clone();
+                let remote = mutex::owner(
+                    &mut client,
+                    self.op_timeout(),
+                    &self.ctx.cfg.prefix,
+                    resource,
+                )
+                .await;
+                let msg = match remote {
+                    Ok(Some(o)) => format!(
+                        "held by {} through another lockd (epoch {}); the etcd backend revokes only holders connected to this lockd",
+                        o.value, o.create_revision
+                    ),
+                    Ok(None) => "nobody holds it".to_string(),
+                    Err(e) => format!("no holder on this lockd (etcd not asked: {e})"),
+                };
+                self.send(error_line(ErrorCode::NotHeld.as_str(), msg, Some(resource)));
+            }
+        }
+    }
+
+    async fn status(&mut self) {
+        let mut client = self.ctx.client.clone();
+        let etcd = mutex::all_locks(
+            &mut client,
+            self.op_timeout(),
+            &self.ctx.cfg.prefix,
+            STATUS_MAX_KEYS,
+        )
+        .await;
+        let report = {
+            let reg = self.ctx.reg();
+            let mut res: BTreeMap<String, ResourceReport> = BTreeMap::new();
+            let blank = |name: &str| ResourceReport {
+                name: name.to_string(),
+                holder: None,
+                epoch: 0,
+                state: LeaseState::Free,
+                waiters: Vec::new(),
+                holder_session: None,
+                holder_peer: None,
+                revoked: false,
+                granted_at_unix_ms: None,
+                reclaim_remaining_ms: None,
+                kind: None,
+                holders: Vec::new(),
+                waiter_count: None,
+                holder_count: None,
+            };
+            match &etcd {
+                Ok(entries) => {
+                    for e in entries {
+                        let r = res
+                            .entry(e.resource.clone())
+                            .or_insert_with(|| blank(&e.resource));
+                        if r.holder.is_none() {
+                            r.holder = Some(e.value.clone());
+                            r.epoch = e.create_revision as u64;
+                            r.state = LeaseState::Held;
+                        } else {
+                            r.waiters.push(e.value.clone());
+                        }
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, "status: cannot read the locks from etcd; local view only")
+                }
+            }
+            for (name, h) in &reg.holds {
+                let r = res.entry(name.clone()).or_insert_with(|| blank(name));
+                r.holder = Some(h.holder.clone());
+                r.epoch = h.epoch;
+                r.state = LeaseState::Held;
+                r.holder_session = Some(h.session);
+                r.holder_peer = reg.sessions.get(&h.session).map(|s| s.peer.clone());
+                r.revoked = h.revoked;
+                r.granted_at_unix_ms = Some(h.granted_at_unix_ms);
+            }
+            if etcd.is_err() {
+                for (name, w) in &reg.waiters {
+                    let r = res.entry(name.clone()).or_insert_with(|| blank(name));
+                    r.waiters = w.iter().map(|(_, h)| h.clone()).collect();
+                }
+            }
+            let sessions = reg
+                .sessions
+                .iter()
+                .map(|(id, s)| SessionReport {
+                    id: *id,
+                    peer: s.peer.clone(),
+                    holds: s.holds.clone(),
+                    waits: s.waits.clone(),
+                    watching: s.watching,
+                    connected: s.connected,
+                    anchors: s.anchors,
+                })
+                .collect();
+            StatusReport {
+                resources: res.into_values().collect(),
+                counters: reg.counters,
+                sessions,
+                session_count: None,
+                leases: Vec::new(),
+                lease_count: None,
+                pools: Vec::new(),
+                deadlocks: Vec::new(),
+                counters_by_kind: BTreeMap::new(),
+            }
+        };
+        self.send(Event::Status(Box::new(report)).encode());
+    }
+
+    async fn put_fenced(&mut self, p: PutFenced) {
+        let Some(h) = self.held.get(&p.resource) else {
+            return self.send(error_line(
+                ErrorCode::NotHolder.as_str(),
+                "put_fenced needs the lock on the resource, held by this connection",
+                Some(&p.resource),
+            ));
+        };
+        let Some(lease) = self.lease.as_ref().map(|l| l.id) else {
+            return self.send(error_line(
+                ErrorCode::NotHolder.as_str(),
+                "no etcd lease",
+                Some(&p.resource),
+            ));
+        };
+        let (key, epoch) = (h.key.clone(), h.epoch);
+        let data_key = mutex::data_key(&self.ctx.cfg.prefix, &p.key);
+        let mut client = self.ctx.client.clone();
+        let r = mutex::put_fenced(
+            &mut client,
+            self.op_timeout(),
+            &key,
+            epoch as i64,
+            &data_key,
+            &p.value,
+            lease,
+        )
+        .await;
+        match r {
+            Ok(FencedPut::Written { revision }) => {
+                info!(session = self.id, resource = %p.resource, epoch, key = %data_key, revision, "fenced put written");
+                self.send(
+                    serde_json::json!({
+                        "event": "put_done", "resource": p.resource, "key": p.key,
+                        "epoch": epoch, "revision": revision,
+                    })
+                    .to_string()
+                        + "\n",
+                );
+            }
+            Ok(FencedPut::Stale { current }) => {
+                warn!(session = self.id, resource = %p.resource, epoch, current, "fenced put refused: stale epoch");
+                self.send(error_line(
+                    "fenced",
+                    format!(
+                        "etcd refused the write: the lock key's create revision is {current}, not this lease's epoch {epoch} (0: the key is gone)"
+                    ),
+                    Some(&p.resource),
+                ));
+            }
+            Err(e) => self.send(error_line(
+                ErrorCode::Unavailable.as_str(),
+                format!("etcd backend: {e}"),
+                Some(&p.resource),
+            )),
+        }
+    }
+
+    async fn on_msg(&mut self, m: Msg) {
+        match m {
+            Msg::Granted {
+                resource,
+                key,
+                epoch,
+            } => {
+                let Some((holder, _task)) = self.waiting.remove(&resource) else {
+                    // Cancelled while the grant was in flight.
+                    spawn_delete(self.ctx.clone(), key);
+                    return;
+                };
+                let now_ms = unix_ms();
+                {
+                    let mut reg = self.ctx.reg();
+                    if let Some(w) = reg.waiters.get_mut(&resource) {
+                        w.retain(|(s, _)| *s != self.id);
+                        if w.is_empty() {
+                            reg.waiters.remove(&resource);
+                        }
+                    }
+                    reg.holds.insert(
+                        resource.clone(),
+                        LocalHold {
+                            session: self.id,
+                            holder: holder.clone(),
+                            epoch,
+                            granted_at_unix_ms: now_ms,
+                            revoked: false,
+                        },
+                    );
+                    reg.counters.grants += 1;
+                    if let Some(si) = reg.sessions.get_mut(&self.id) {
+                        si.waits.retain(|x| *x != resource);
+                        si.holds.push(resource.clone());
+                    }
+                }
+                info!(session = self.id, resource = %resource, holder = %holder, epoch, key = %key, "lock granted");
+                self.held.insert(
+                    resource.clone(),
+                    Held {
+                        key,
+                        epoch,
+                        holder: holder.clone(),
+                        lost: false,
+                    },
+                );
+                self.ctx
+                    .notice(NoticeKind::Granted, &resource, &holder, epoch, self.id);
+                self.send(
+                    Event::Granted {
+                        resource,
+                        holder,
+                        epoch,
+                        token: token(),
+                        reclaimed: false,
+                        lease: proto::LeaseFields::default(),
+                    }
+                    .encode(),
+                );
+            }
+            Msg::Queued { resource, position } => {
+                if self.waiting.contains_key(&resource) {
+                    self.send(
+                        Event::Queued {
+                            resource,
+                            position,
+                            lease_id: None,
+                        }
+                        .encode(),
+                    );
+                }
+            }
+            Msg::Busy { resource, holder } => {
+                if self.waiting.contains_key(&resource) {
+                    self.cancel_wait(&resource);
+                    self.send(
+                        Event::Busy {
+                            resource,
+                            holder: Some(holder),
+                        }
+                        .encode(),
+                    );
+                }
+            }
+            Msg::Lost { cause } => self.lost(&cause),
+            Msg::AnchorClosed { why } => {
+                self.anchors = self.anchors.saturating_sub(1);
+                if let Some(si) = self.ctx.reg().sessions.get_mut(&self.id) {
+                    si.anchors = self.anchors;
+                }
+                info!(session = self.id, why = %why, anchors = self.anchors, "anchor closed");
+            }
+        }
+    }
+
+    /// The fence fired: tell every holder `revoked` (reason `lost:…`) and drop the lease (a
+    /// later acquire gets a new one). Waiters are told `unavailable`: their keys went with
+    /// the lease.
+    fn lost(&mut self, cause: &str) {
+        let reason = format!("lost: {cause}");
+        error!(session = self.id, held = self.held.len(), waiting = self.waiting.len(), reason = %reason,
+            connected = self.connected, "etcd lease not renewed in time: telling the holders to fence");
+        if let Some(l) = self.lease.take() {
+            l.keeper.abort();
+            // Best effort: it may be gone already; if etcd is back, it ends now.
+            let ctx = self.ctx.clone();
+            tokio::spawn(async move {
+                let mut c = ctx.client.clone();
+                if mutex::bounded(ctx.cfg.op_timeout, c.lease_revoke(l.id))
+                    .await
+                    .is_ok()
+                {
+                    ctx.live_leases().remove(&l.id);
+                }
+            });
+        }
+        let mut lines = Vec::new();
+        for (r, h) in self.held.iter_mut() {
+            if h.lost {
+                continue;
+            }
+            h.lost = true;
+            lines.push(
+                Event::Revoked {
+                    resource: r.clone(),
+                    epoch: h.epoch,
+                    reason: reason.clone(),
+                }
+                .encode(),
+            );
+            let mut reg = self.ctx.reg();
+            if let Some(lh) = reg.holds.get_mut(r) {
+                if !lh.revoked {
+                    lh.revoked = true;
+                    reg.counters.revocations += 1;
+                }
+            }
+        }
+        for l in lines {
+            self.send(l);
+        }
+        let waits: Vec<String> = self.waiting.keys().cloned().collect();
+        for r in waits {
+            self.cancel_wait(&r);
+            self.send(error_line(
+                ErrorCode::Unavailable.as_str(),
+                format!("etcd backend: the session's etcd lease was lost while waiting ({cause}); acquire again"),
+                Some(&r),
+            ));
+        }
+    }
+}
+
+fn unsupported(what: &str, resource: Option<&str>) -> String {
+    error_line(
+        "unsupported",
+        format!("{what}: not served by the etcd backend (lockd serve --backend etcd serves connection-bound exclusive leases only; see docs/ETCD.md)"),
+        resource,
+    )
+}
+
+fn token() -> String {
+    use rand::Rng;
+    let v: u128 = rand::thread_rng().gen();
+    format!("{v:032x}")
+}
+
+/// Delete a key in the background, retrying while etcd is unreachable (bounded: the key goes
+/// with its lease anyway).
+fn spawn_delete(ctx: Arc<Ctx>, key: String) {
+    tokio::spawn(async move {
+        let mut client = ctx.client.clone();
+        for attempt in 0..10u32 {
+            match mutex::delete(&mut client, ctx.cfg.op_timeout, &key).await {
+                Ok(()) => return,
+                Err(e) => {
+                    warn!(key = %key, attempt, error = %e, "cannot delete the lock key; retrying");
+                    tokio::time::sleep(Duration::from_millis(100 << attempt.min(4))).await;
+                }
+            }
+        }
+    });
+}
+
+/// etcd's mutex recipe for one acquire; never gives up on etcd errors (the session cancels
+/// it, or its fence fires), reports the outcome on `tx`.
+#[allow(clippy::too_many_arguments)]
+async fn acquire_task(
+    ctx: Arc<Ctx>,
+    session: u64,
+    resource: String,
+    key: String,
+    value: String,
+    lease: i64,
+    wait: bool,
+    tx: mpsc::UnboundedSender<Msg>,
+) {
+    let limit = ctx.cfg.op_timeout;
+    let prefix = ctx.cfg.prefix.clone();
+    let mut client = ctx.client.clone();
+    let mut backoff = Duration::from_millis(20);
+    let mut my_rev = None;
+    let mut queued = false;
+    loop {
+        let step: Result<Option<Msg>, EtcdError> = async {
+            let rev = match my_rev {
+                Some(r) => r,
+                None => {
+                    let r = mutex::enqueue(&mut client, limit, &key, &value, lease).await?;
+                    my_rev = Some(r);
+                    r
+                }
+            };
+            match mutex::standing(&mut client, limit, &prefix, &resource, rev).await? {
+                Standing::Owner => Ok(Some(Msg::Granted {
+                    resource: resource.clone(),
+                    key: key.clone(),
+                    epoch: rev as u64,
+                })),
+                Standing::Behind {
+                    ahead,
+                    predecessor,
+                    revision,
+                    owner_value,
+                } => {
+                    if !wait {
+                        mutex::delete(&mut client, limit, &key).await?;
+                        return Ok(Some(Msg::Busy {
+                            resource: resource.clone(),
+                            holder: owner_value,
+                        }));
+                    }
+                    if !queued {
+                        queued = true;
+                        let _ = tx.send(Msg::Queued {
+                            resource: resource.clone(),
+                            position: usize::try_from(ahead).unwrap_or(usize::MAX),
+                        });
+                    }
+                    debug!(session, resource = %resource, predecessor = %predecessor, "waiting for the predecessor's deletion");
+                    mutex::wait_deleted(&mut client, &predecessor, revision + 1).await?;
+                    Ok(None)
+                }
+            }
+        }
+        .await;
+        match step {
+            Ok(Some(m)) => {
+                let _ = tx.send(m);
+                return;
+            }
+            Ok(None) => backoff = Duration::from_millis(20),
+            Err(e) => {
+                warn!(session, resource = %resource, error = %e, "acquire: etcd error; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// Keep the session's lease alive and run its fence; on loss, tell the session and stop.
+async fn keep_alive(
+    ctx: Arc<Ctx>,
+    session: u64,
+    lease: i64,
+    granted_sent_at: Instant,
+    ttl_secs: i64,
+    tx: mpsc::UnboundedSender<Msg>,
+) {
+    let mut fence = Fence::new(ctx.cfg.margin);
+    if ctx.cfg.planted_bug_no_margin {
+        fence = fence.planted_bug_no_margin();
+    }
+    let ttl = Duration::from_secs(u64::try_from(ttl_secs.max(1)).unwrap_or(1));
+    let margin = if ctx.cfg.planted_bug_no_margin {
+        Duration::ZERO
+    } else {
+        ctx.cfg.margin.of(ttl)
+    };
+    // Renew three times per (TTL − margin): two lost keepalives in a row still leave time.
+    let every = (ttl.saturating_sub(margin) / 3).max(Duration::from_millis(20));
+    let lease_hex = format!("{lease:016x}");
+    let report = |out: Option<FenceOutput>| -> Option<String> {
+        match out? {
+            FenceOutput::Renewed { deadline } => {
+                debug!(session, lease = %lease_hex, deadline_in_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64, "fence: renewed");
+                None
+            }
+            FenceOutput::Lost { cause } => {
+                let c = match cause {
+                    LostCause::DeadlinePassed {
+                        since_last_ack,
+                        deadline,
+                    } => format!(
+                        "etcd lease {lease_hex} not renewed for {} ms (deadline = last acknowledged keepalive's send + TTL {} s - margin {} ms; passed {} ms ago)",
+                        since_last_ack.as_millis(),
+                        ttl.as_secs(),
+                        margin.as_millis(),
+                        Instant::now().saturating_duration_since(deadline).as_millis()
+                    ),
+                    LostCause::EtcdExpired => {
+                        format!("etcd says lease {lease_hex} has expired or was revoked")
+                    }
+                };
+                warn!(session, lease = %lease_hex, cause = %c, "fence: lost");
+                Some(c)
+            }
+        }
+    };
+    let now = Instant::now();
+    if let Some(c) = report(fence.step(
+        now,
+        FenceInput::Granted {
+            sent_at: granted_sent_at,
+            ttl_secs,
+        },
+    )) {
+        let _ = tx.send(Msg::Lost { cause: c });
+        return;
+    }
+    let mut client = ctx.client.clone();
+    loop {
+        // (Re)open the keepalive stream, watching the deadline meanwhile.
+        let deadline = fence
+            .deadline()
+            .map(tokio::time::Instant::from_std)
+            .unwrap_or_else(tokio::time::Instant::now);
+        let opened = tokio::select! {
+            r = mutex::bounded(ctx.cfg.op_timeout, client.lease_keep_alive(lease)) => Some(r),
+            _ = tokio::time::sleep_until(deadline) => None,
+        };
+        let (mut keeper, mut stream) = match opened {
+            None => {
+                if let Some(c) = report(fence.step(Instant::now(), FenceInput::Tick)) {
+                    let _ = tx.send(Msg::Lost { cause: c });
+                    return;
+                }
+                continue;
+            }
+            Some(Err(e)) => {
+                debug!(session, lease = %lease_hex, error = %e, "cannot open the keepalive stream; retrying");
+                let wake = tokio::time::Instant::now() + Duration::from_millis(50);
+                tokio::time::sleep_until(wake.min(deadline)).await;
+                if let Some(c) = report(fence.step(Instant::now(), FenceInput::Tick)) {
+                    let _ = tx.send(Msg::Lost { cause: c });
+                    return;
+                }
+                continue;
+            }
+            Some(Ok(ks)) => ks,
+        };
+        fence.step(Instant::now(), FenceInput::StreamReset);
+        // The stream's first request went out with it (etcd-client sends one at open? no:
+        // we send every `every`, starting now).
+        let mut next_send = tokio::time::Instant::now();
+        loop {
+            let deadline = fence
+                .deadline()
+                .map(tokio::time::Instant::from_std)
+                .unwrap_or_else(tokio::time::Instant::now);
+            tokio::select! {
+                _ = tokio::time::sleep_until(next_send) => {
+                    next_send += every;
+                    match tokio::time::timeout(every, keeper.keep_alive()).await {
+                        Ok(Ok(())) => {
+                            if let Some(c) = report(fence.step(Instant::now(), FenceInput::Sent)) {
+                                let _ = tx.send(Msg::Lost { cause: c });
+                                return;
+                            }
+                        }
+                        _ => {
+                            debug!(session, lease = %lease_hex, "keepalive could not be sent; reopening the stream");
+                            break;
+                        }
+                    }
+                }
+                m = stream.message() => match m {
+                    Ok(Some(resp)) => {
+                        if let Some(c) = report(fence.step(Instant::now(), FenceInput::Acked { ttl_secs: resp.ttl() })) {
+                            let _ = tx.send(Msg::Lost { cause: c });
+                            return;
+                        }
+                    }
+                    Ok(None) | Err(_) => {
+                        debug!(session, lease = %lease_hex, "keepalive stream ended; reopening");
+                        break;
+                    }
+                },
+                _ = tokio::time::sleep_until(deadline) => {
+                    if let Some(c) = report(fence.step(Instant::now(), FenceInput::Tick)) {
+                        let _ = tx.send(Msg::Lost { cause: c });
+                        return;
+                    }
+                }
+            }
+        }
+        if let Some(c) = report(fence.step(Instant::now(), FenceInput::StreamReset)) {
+            let _ = tx.send(Msg::Lost { cause: c });
+            return;
+        }
+        let wake = tokio::time::Instant::now() + Duration::from_millis(50);
+        let deadline = fence
+            .deadline()
+            .map(tokio::time::Instant::from_std)
+            .unwrap_or_else(tokio::time::Instant::now);
+        tokio::time::sleep_until(wake.min(deadline)).await;
+        if let Some(c) = report(fence.step(Instant::now(), FenceInput::Tick)) {
+            let _ = tx.send(Msg::Lost { cause: c });
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn put_fenced_lines_are_recognised_and_checked() {
+        let ok = br#"{"op":"put_fenced","resource":"engine","key":"svc/engine","value":"10.0.0.1:8000"}"#;
+        assert_eq!(
+            decode_put_fenced(ok),
+            Some(Ok(PutFenced {
+                resource: "engine".into(),
+                key: "svc/engine".into(),
+                value: "10.0.0.1:8000".into()
+            }))
+        );
+        assert_eq!(decode_put_fenced(br#"{"op":"ping"}"#), None);
+        assert_eq!(decode_put_fenced(b"not json"), None);
+        assert!(matches!(
+            decode_put_fenced(br#"{"op":"put_fenced","resource":"","key":"k","value":"v"}"#),
+            Some(Err(_))
+        ));
+        assert!(matches!(
+            decode_put_fenced(br#"{"op":"put_fenced","resource":"r"}"#),
+            Some(Err(_))
+        ));
+    }
+}
