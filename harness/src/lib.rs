@@ -6,6 +6,7 @@
 //! * [`cluster`]: one test's world (temp dir, lockd, supervisors; [`Cluster`]),
 //! * [`lockd`], [`gmsd`]: THE `lockd serve` / `gmsd` launchers (spec -> `Command` for sync
 //!   and async callers such as the drill, readiness, a sync owner [`Lockd`] / [`Gmsd`]),
+//! * [`etcd`]: a real single-member etcd on loopback and a proxy that can black-hole it,
 //! * [`kubelet`]: a pure model of kubelet's prober worker (the kubelet replay and the drill),
 //! * [`mod@serial`]: the process guards of a test binary: [`serial()`] (alone) and
 //!   [`shared()`] (beside other shared tests),
@@ -19,6 +20,7 @@
 pub mod bins;
 pub mod clock;
 pub mod cluster;
+pub mod etcd;
 pub mod gmsd;
 pub mod haproxy;
 pub mod http;

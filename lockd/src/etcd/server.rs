@@ -565,6 +565,9 @@ struct SessionLease {
 
 struct Held {
     key: String,
+    /// The etcd lease the key was put with (kept after a loss: a stale holder's fenced put is
+    /// then refused by etcd itself).
+    lease: i64,
     epoch: u64,
     holder: String,
     lost: bool,
@@ -1238,14 +1241,7 @@ impl Session {
                 Some(&p.resource),
             ));
         };
-        let Some(lease) = self.lease.as_ref().map(|l| l.id) else {
-            return self.send(error_line(
-                ErrorCode::NotHolder.as_str(),
-                "no etcd lease",
-                Some(&p.resource),
-            ));
-        };
-        let (key, epoch) = (h.key.clone(), h.epoch);
+        let (key, epoch, lease) = (h.key.clone(), h.epoch, h.lease);
         let data_key = mutex::data_key(&self.ctx.cfg.prefix, &p.key);
         let mut client = self.ctx.client.clone();
         let r = mutex::put_fenced(
@@ -1326,10 +1322,12 @@ impl Session {
                     }
                 }
                 info!(session = self.id, resource = %resource, holder = %holder, epoch, key = %key, "lock granted");
+                let lease = self.lease.as_ref().map(|l| l.id).unwrap_or(0);
                 self.held.insert(
                     resource.clone(),
                     Held {
                         key,
+                        lease,
                         epoch,
                         holder: holder.clone(),
                         lost: false,

@@ -23,6 +23,7 @@ mod client_tcp_reclaim;
 mod core_model_proptest;
 mod corrupt_state;
 mod deadlock;
+mod etcd_backend;
 mod group_commit;
 mod hold_child_outlives_hold;
 mod hold_child_outlives_hold_after_restart;

@@ -1,0 +1,215 @@
+//! A real single-member etcd (Debian's `etcd-server`) on free loopback ports, its data in a
+//! temp dir, killed with its process group on drop; and a TCP proxy that can black-hole a
+//! client's traffic to it (a partition without a network namespace).
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::proc::Proc;
+
+/// The etcd binary: `$ETCD_BIN`, else `etcd` on PATH or in /usr/bin (Debian's etcd-server).
+pub fn binary() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("ETCD_BIN") {
+        let p = PathBuf::from(p);
+        return p.is_file().then_some(p);
+    }
+    find_on_path("etcd")
+}
+
+/// `etcdctl` (Debian's etcd-client), for the side-by-side `etcdctl lock` measurements.
+pub fn etcdctl() -> Option<PathBuf> {
+    find_on_path("etcdctl")
+}
+
+fn find_on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/local/bin")])
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// A running etcd.
+pub struct Etcd {
+    proc: Proc,
+    /// Client URL, `http://127.0.0.1:PORT`.
+    pub client_url: String,
+    /// Client port.
+    pub client_port: u16,
+}
+
+impl Etcd {
+    /// Start etcd with its data under `dir` and wait (bounded, 20 s) until it is healthy.
+    /// None when there is no etcd binary (the caller records a skip); panics if it does not
+    /// come up.
+    pub fn start(dir: &Path) -> Option<Etcd> {
+        let bin = binary()?;
+        let client_port = crate::net::free_port();
+        let peer_port = crate::net::free_port();
+        let client_url = format!("http://127.0.0.1:{client_port}");
+        let peer_url = format!("http://127.0.0.1:{peer_port}");
+        let data = dir.join("etcd-data");
+        let mut cmd = Command::new(bin);
+        cmd.args(["--name", "e1", "--data-dir"]).arg(&data).args([
+            "--listen-client-urls",
+            &client_url,
+            "--advertise-client-urls",
+            &client_url,
+            "--listen-peer-urls",
+            &peer_url,
+            "--initial-advertise-peer-urls",
+            &peer_url,
+            "--initial-cluster",
+            &format!("e1={peer_url}"),
+            "--initial-cluster-state",
+            "new",
+            "--log-level",
+            "warn",
+        ]);
+        // Debian's etcd 3.4 on arm64 needs this; harmless elsewhere.
+        cmd.env("ETCD_UNSUPPORTED_ARCH", std::env::consts::ARCH);
+        let proc = Proc::spawn("etcd", cmd, dir.join("etcd.log"));
+        let mut e = Etcd {
+            proc,
+            client_url,
+            client_port,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(r) = crate::http::get(
+                &format!("{}/health", e.client_url),
+                Duration::from_millis(500),
+            ) {
+                if r.body.contains("\"health\":\"true\"") {
+                    return Some(e);
+                }
+            }
+            assert!(
+                !e.proc.exited(),
+                "etcd exited at start: {}",
+                e.proc.log_text()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "etcd not healthy within 20 s: {}",
+                e.proc.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Its process (signals, log).
+    pub fn proc(&self) -> &Proc {
+        &self.proc
+    }
+}
+
+/// A TCP proxy on a free loopback port to `target`. While [`Proxy::blackhole`] is on, it
+/// forwards nothing in either direction and lets new connections hang (no reset, no FIN):
+/// what a partition looks like to the client. [`Proxy::heal`] forwards again.
+pub struct Proxy {
+    /// The port clients connect to.
+    pub port: u16,
+    cut: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Proxy {
+    /// Start forwarding `127.0.0.1:port → target`.
+    pub fn start(target: std::net::SocketAddr) -> Proxy {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+        let port = l.local_addr().expect("proxy address").port();
+        let cut = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (c2, s2, k2) = (cut.clone(), stop.clone(), conns.clone());
+        std::thread::spawn(move || {
+            for inbound in l.incoming() {
+                if s2.load(Ordering::SeqCst) {
+                    return;
+                }
+                let Ok(inbound) = inbound else { continue };
+                let Ok(outbound) = TcpStream::connect_timeout(&target, Duration::from_secs(2))
+                else {
+                    continue;
+                };
+                let _ = inbound.set_nodelay(true);
+                let _ = outbound.set_nodelay(true);
+                if let (Ok(a), Ok(b)) = (inbound.try_clone(), outbound.try_clone()) {
+                    if let Ok(mut g) = k2.lock() {
+                        g.push(a);
+                        g.push(b);
+                    }
+                }
+                for (from, to) in [
+                    (inbound.try_clone(), outbound.try_clone()),
+                    (outbound.try_clone(), inbound.try_clone()),
+                ] {
+                    let (Ok(mut from), Ok(mut to)) = (from, to) else {
+                        continue;
+                    };
+                    let cut = c2.clone();
+                    std::thread::spawn(move || {
+                        let mut buf = [0u8; 16 * 1024];
+                        loop {
+                            let n = match from.read(&mut buf) {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => n,
+                            };
+                            // Cut: the bytes are dropped, as a partition drops packets
+                            // (both ends keep their connection and hear nothing).
+                            while cut.load(Ordering::SeqCst) {
+                                std::thread::sleep(Duration::from_millis(5));
+                            }
+                            if to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(Shutdown::Write);
+                    });
+                }
+            }
+        });
+        Proxy {
+            port,
+            cut,
+            stop,
+            conns,
+        }
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Stop forwarding (bytes in flight are held back until [`heal`](Self::heal)).
+    pub fn blackhole(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+    }
+
+    /// Forward again.
+    pub fn heal(&self) {
+        self.cut.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.cut.store(false, Ordering::SeqCst);
+        if let Ok(g) = self.conns.lock() {
+            for c in g.iter() {
+                let _ = c.shutdown(Shutdown::Both);
+            }
+        }
+        // Wake the accept loop so that it sees `stop`.
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
