@@ -52,6 +52,8 @@ enum LogFormat {
     Json,
 }
 
+// Parsed once per process: the size of `serve`'s flags does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// Serve until SIGTERM/SIGINT.
