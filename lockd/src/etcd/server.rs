@@ -239,7 +239,9 @@ impl EtcdServer {
         let endpoints = cfg.endpoints.join(",");
         let opts = ConnectOptions::new()
             .with_connect_timeout(cfg.op_timeout)
-            .with_keep_alive(Duration::from_secs(1), cfg.op_timeout);
+            .with_keep_alive(Duration::from_secs(1), cfg.op_timeout)
+            // A member cut off from its cluster answers nothing rather than stale data.
+            .with_require_leader(true);
         let mut client = mutex::bounded(
             cfg.op_timeout,
             Client::connect(cfg.endpoints.clone(), Some(opts)),
@@ -361,6 +363,36 @@ impl EtcdServer {
                     conns.retain(|c| !c.is_finished());
                     conns.push(h);
                 }
+            }
+        }
+        // Holders first: each is told `revoked` (lost) and given the margin's pause + kill
+        // time to fence and close (its session then revokes its own lease); only then is
+        // every remaining lease revoked. Revoking at once would let another node grant while
+        // a holder still runs.
+        let grace = self.ctx.cfg.margin.pause + self.ctx.cfg.margin.kill;
+        let told = {
+            let reg = self.ctx.reg();
+            let mut n = 0;
+            for (r, h) in &reg.holds {
+                if let Some(si) = reg.sessions.get(&h.session) {
+                    let _ = si.out.try_send(
+                        Event::Revoked {
+                            resource: r.clone(),
+                            epoch: h.epoch,
+                            reason: "lost: lockd is stopping".into(),
+                        }
+                        .encode(),
+                    );
+                    n += 1;
+                }
+            }
+            n
+        };
+        if told > 0 {
+            info!(holders = told, grace = ?grace, "stopping: holders told to fence; waiting for them to close");
+            let end = tokio::time::Instant::now() + grace;
+            while tokio::time::Instant::now() < end && !self.ctx.reg().holds.is_empty() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }
         info!("stopping: revoking every session's etcd lease");
