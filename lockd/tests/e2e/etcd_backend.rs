@@ -446,3 +446,186 @@ fn planted_bug_fence_without_margin_is_caught() {
     }
     drop(etcd);
 }
+
+/// The protocol surface on the etcd backend: what is served the same way, what is refused and
+/// how (naming the backend), revoke and `wait:false` across two lockds.
+#[test]
+fn protocol_surface_served_and_refused() {
+    let _process = shared();
+    let d = tempfile::tempdir().unwrap();
+    let Some(etcd) = etcd_or_skip("etcd_backend::protocol_surface", d.path()) else {
+        return;
+    };
+    let a = start(d.path(), "A", &etcd.client_url, &[], &[]);
+    let b = start(d.path(), "B", &etcd.client_url, &[], &[]);
+    let t = Duration::from_secs(5);
+
+    let mut h = Line::connect(&a.sock).unwrap();
+    let hello = h.recv_until("hello", t).unwrap();
+    assert_eq!(
+        hello["features"],
+        serde_json::json!(["put_fenced"]),
+        "{hello}"
+    );
+    h.send(serde_json::json!({"op":"ping"}));
+    assert_eq!(h.recv(t).unwrap()["event"], "pong");
+    h.acquire("engine", "ha");
+    let ea = h.recv_until("granted", t).unwrap()["epoch"]
+        .as_u64()
+        .unwrap();
+    h.acquire("engine", "ha");
+    assert_eq!(h.recv(t).unwrap()["code"], "already_held");
+
+    // Version-2 kinds and ops: `unsupported`, naming the etcd backend.
+    for req in [
+        serde_json::json!({"op":"acquire","resource":"x","holder":"h","ttl_ms":1000}),
+        serde_json::json!({"op":"acquire","resource":"x","holder":"h","mode":"shared"}),
+        serde_json::json!({"op":"acquire","resource":"x","holder":"h","gang":["p","q"]}),
+        serde_json::json!({"op":"renew","lease_id":1,"token":"t"}),
+        serde_json::json!({"op":"leases"}),
+    ] {
+        h.send(req.clone());
+        let e = h.recv(t).unwrap();
+        assert_eq!(
+            (e["event"].as_str(), e["code"].as_str()),
+            (Some("error"), Some("unsupported")),
+            "{req} -> {e}"
+        );
+        assert!(
+            e["message"].as_str().unwrap().contains("etcd backend"),
+            "{e}"
+        );
+    }
+    h.send(serde_json::json!({"op":"reclaim","resource":"engine","holder":"ha","epoch":ea,"token":"x"}));
+    assert_eq!(h.recv(t).unwrap()["code"], "reclaim_refused");
+
+    // wait:false on B: busy, naming A's holder.
+    let mut w = Line::connect(&b.sock).unwrap();
+    w.send(serde_json::json!({"op":"acquire","resource":"engine","holder":"hb","wait":false}));
+    let busy = w.recv_until("busy", t).unwrap();
+    assert_eq!(busy["holder"], "ha@A", "{busy}");
+
+    // Revoke from B of a holder on A: refused, naming it; from A: the holder is told.
+    let mut op = Line::connect(&b.sock).unwrap();
+    op.send(serde_json::json!({"op":"revoke","resource":"engine","reason":"test"}));
+    let e = op.recv_until("error", t).unwrap();
+    assert_eq!(e["code"], "not_held", "{e}");
+    assert!(e["message"].as_str().unwrap().contains("ha@A"), "{e}");
+    let mut op = Line::connect(&a.sock).unwrap();
+    op.send(serde_json::json!({"op":"revoke","resource":"engine","reason":"maintenance"}));
+    assert_eq!(op.recv_until("revoke_sent", t).unwrap()["epoch"], ea);
+    let r = h.recv_until("revoked", t).unwrap();
+    assert_eq!(
+        (r["epoch"].as_u64(), r["reason"].as_str()),
+        (Some(ea), Some("maintenance"))
+    );
+
+    // Release: `released`, and a waiter on B is granted with a higher epoch.
+    w.acquire("engine", "hb");
+    w.recv_until("queued", t).unwrap();
+    h.send(serde_json::json!({"op":"release","resource":"engine"}));
+    assert_eq!(h.recv_until("released", t).unwrap()["epoch"], ea);
+    let eb = w.recv_until("granted", t).unwrap()["epoch"]
+        .as_u64()
+        .unwrap();
+    assert!(eb > ea);
+    // A queued acquire released is `cancelled`; release of nothing is `not_holder`.
+    h.acquire("engine", "ha");
+    h.recv_until("queued", t).unwrap();
+    h.send(serde_json::json!({"op":"release","resource":"engine"}));
+    h.recv_until("cancelled", t).unwrap();
+    h.send(serde_json::json!({"op":"release","resource":"engine"}));
+    assert_eq!(h.recv(t).unwrap()["code"], "not_holder");
+    drop(etcd);
+}
+
+/// The supervisor attaches an anchor: on the etcd backend too the lease (and its etcd lease)
+/// outlives the connection while the anchor's peer is open, and ends when it closes.
+#[tokio::test]
+async fn anchored_session_keeps_the_lock_until_the_anchor_closes() {
+    let _process = shared();
+    let d = tempfile::tempdir().unwrap();
+    let Some(etcd) = etcd_or_skip("etcd_backend::anchored_session", d.path()) else {
+        return;
+    };
+    let a = start(d.path(), "A", &etcd.client_url, &[], &[]);
+    let b = start(d.path(), "B", &etcd.client_url, &[], &[]);
+    let (keep, inherit) = lockd::client::anchor_pair().unwrap();
+    let ep: Endpoint = format!("unix:{}", a.sock.display()).parse().unwrap();
+    let mut holder = LockClient::connect(
+        &ep,
+        ClientOptions {
+            anchor: Some(std::sync::Arc::new(keep)),
+            ..ClientOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    holder.acquire("engine", "ha", true).await.unwrap();
+    let ev = tokio::time::timeout(Duration::from_secs(5), holder.next_event())
+        .await
+        .unwrap();
+    assert!(
+        matches!(ev, Some(LockEvent::Granted { .. })),
+        "{ev:?}\n{}",
+        a.proc.log_text()
+    );
+
+    let mut w = Line::connect(&b.sock).unwrap();
+    w.acquire("engine", "hb");
+    w.recv_until("queued", Duration::from_secs(5)).unwrap();
+    holder.close().await;
+    // The connection is gone, the anchor's peer is open: no grant.
+    assert!(
+        w.recv_until("granted", Duration::from_millis(700))
+            .is_none(),
+        "granted while the anchor was open"
+    );
+    let t0 = Instant::now();
+    drop(inherit);
+    let g = w.recv_until("granted", Duration::from_secs(5));
+    assert!(
+        g.is_some(),
+        "not granted after the anchor closed: {}",
+        a.proc.log_text()
+    );
+    eprintln!(
+        "anchor closed -> grant on B in {:.1} ms",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    drop(etcd);
+}
+
+/// SIGTERM: lockd tells its holders `revoked` (lost) before it revokes their etcd leases, so
+/// the other side is granted only after the holder was told.
+#[test]
+fn sigterm_tells_holders_before_the_lease_goes() {
+    let _process = shared();
+    let d = tempfile::tempdir().unwrap();
+    let Some(etcd) = etcd_or_skip("etcd_backend::sigterm", d.path()) else {
+        return;
+    };
+    let a = start(d.path(), "A", &etcd.client_url, &[], &[]);
+    let b = start(d.path(), "B", &etcd.client_url, &[], &[]);
+    let mut h = Line::connect(&a.sock).unwrap();
+    h.acquire("engine", "ha");
+    h.recv_until("granted", Duration::from_secs(5)).unwrap();
+    let mut w = Line::connect(&b.sock).unwrap();
+    w.acquire("engine", "hb");
+    w.recv_until("queued", Duration::from_secs(5)).unwrap();
+    let told = arrival(h, "revoked", Duration::from_secs(10));
+    let granted = arrival(w, "granted", Duration::from_secs(10));
+    assert!(a.proc.signal(Signal::SIGTERM));
+    let (t_told, r, _h) = told
+        .recv_timeout(Duration::from_secs(15))
+        .expect("holder told");
+    assert!(r["reason"].as_str().unwrap().starts_with("lost:"), "{r}");
+    let (t_granted, _, _w) = granted
+        .recv_timeout(Duration::from_secs(15))
+        .expect("B granted");
+    assert!(t_told < t_granted);
+    eprintln!(
+        "SIGTERM: B granted {:.0} ms after A's holder was told",
+        (t_granted - t_told).as_secs_f64() * 1e3
+    );
+}
