@@ -48,59 +48,104 @@ impl Etcd {
     /// None when there is no etcd binary (the caller records a skip); panics if it does not
     /// come up.
     pub fn start(dir: &Path) -> Option<Etcd> {
+        let mut v = Etcd::start_cluster(dir, 1)?;
+        v.pop()
+    }
+
+    /// Start an etcd cluster of `n` members on loopback (data under `dir/etcd-N`) and wait
+    /// (bounded, 30 s) until every member is healthy (has a leader). None without an etcd
+    /// binary; panics if it does not come up.
+    pub fn start_cluster(dir: &Path, n: usize) -> Option<Vec<Etcd>> {
         let bin = binary()?;
-        let client_port = crate::net::free_port();
-        let peer_port = crate::net::free_port();
-        let client_url = format!("http://127.0.0.1:{client_port}");
-        let peer_url = format!("http://127.0.0.1:{peer_port}");
-        let data = dir.join("etcd-data");
-        let mut cmd = Command::new(bin);
-        cmd.args(["--name", "e1", "--data-dir"]).arg(&data).args([
-            "--listen-client-urls",
-            &client_url,
-            "--advertise-client-urls",
-            &client_url,
-            "--listen-peer-urls",
-            &peer_url,
-            "--initial-advertise-peer-urls",
-            &peer_url,
-            "--initial-cluster",
-            &format!("e1={peer_url}"),
-            "--initial-cluster-state",
-            "new",
-            "--log-level",
-            "warn",
-        ]);
-        // Debian's etcd 3.4 on arm64 needs this; harmless elsewhere.
-        cmd.env("ETCD_UNSUPPORTED_ARCH", std::env::consts::ARCH);
-        let proc = Proc::spawn("etcd", cmd, dir.join("etcd.log"));
-        let mut e = Etcd {
-            proc,
-            client_url,
-            client_port,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(r) = crate::http::get(
-                &format!("{}/health", e.client_url),
-                Duration::from_millis(500),
-            ) {
-                if r.body.contains("\"health\":\"true\"") {
-                    return Some(e);
-                }
-            }
-            assert!(
-                !e.proc.exited(),
-                "etcd exited at start: {}",
-                e.proc.log_text()
-            );
-            assert!(
-                Instant::now() < deadline,
-                "etcd not healthy within 20 s: {}",
-                e.proc.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(50));
+        let ports: Vec<(u16, u16)> = (0..n)
+            .map(|_| (crate::net::free_port(), crate::net::free_port()))
+            .collect();
+        let initial: Vec<String> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, p))| format!("e{i}=http://127.0.0.1:{p}"))
+            .collect();
+        let initial = initial.join(",");
+        let mut members = Vec::new();
+        for (i, (client_port, peer_port)) in ports.iter().enumerate() {
+            let client_url = format!("http://127.0.0.1:{client_port}");
+            let peer_url = format!("http://127.0.0.1:{peer_port}");
+            let mut cmd = Command::new(&bin);
+            cmd.args(["--name", &format!("e{i}"), "--data-dir"])
+                .arg(dir.join(format!("etcd-{i}")))
+                .args([
+                    "--listen-client-urls",
+                    &client_url,
+                    "--advertise-client-urls",
+                    &client_url,
+                    "--listen-peer-urls",
+                    &peer_url,
+                    "--initial-advertise-peer-urls",
+                    &peer_url,
+                    "--initial-cluster",
+                    &initial,
+                    "--initial-cluster-state",
+                    "new",
+                    "--log-level",
+                    "warn",
+                ]);
+            // Debian's etcd 3.4 on arm64 needs this; harmless elsewhere.
+            cmd.env("ETCD_UNSUPPORTED_ARCH", std::env::consts::ARCH);
+            let proc = Proc::spawn(&format!("etcd-{i}"), cmd, dir.join(format!("etcd-{i}.log")));
+            members.push(Etcd {
+                proc,
+                client_url,
+                client_port: *client_port,
+            });
         }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for e in members.iter_mut() {
+            loop {
+                if e.healthy() {
+                    break;
+                }
+                assert!(
+                    !e.proc.exited(),
+                    "etcd exited at start: {}",
+                    e.proc.log_text()
+                );
+                assert!(
+                    Instant::now() < deadline,
+                    "etcd not healthy within 30 s: {}",
+                    e.proc.log_text()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Some(members)
+    }
+
+    /// `/health` answers `"health":"true"` (the member has a leader).
+    pub fn healthy(&self) -> bool {
+        crate::http::get(
+            &format!("{}/health", self.client_url),
+            Duration::from_millis(500),
+        )
+        .is_some_and(|r| r.body.contains("\"health\":\"true\""))
+    }
+
+    /// Whether this member is the cluster's leader now (its maintenance status says so);
+    /// None when it does not answer.
+    pub fn is_leader(&self) -> Option<bool> {
+        let r = crate::http::post_json(
+            &format!("{}/v3/maintenance/status", self.client_url),
+            "{}",
+            Duration::from_millis(500),
+        )?;
+        let v: serde_json::Value = serde_json::from_str(&r.body).ok()?;
+        let me = v["header"]["member_id"].as_str()?.to_string();
+        let leader = v["leader"].as_str()?.to_string();
+        Some(me == leader)
+    }
+
+    /// Kill this member (SIGKILL to its process group) and reap it.
+    pub fn kill(&mut self) {
+        self.proc.kill();
     }
 
     /// Its process (signals, log).

@@ -816,7 +816,17 @@ impl Session {
     fn forget_hold(&self, resource: &str, h: &Held, why: &str) {
         let after_revoke = {
             let mut reg = self.ctx.reg();
-            let was = reg.holds.remove(resource);
+            // Only this session's entry: after a loss, another session of this lockd may
+            // hold the resource already.
+            let mine = reg
+                .holds
+                .get(resource)
+                .is_some_and(|w| w.session == self.id);
+            let was = if mine {
+                reg.holds.remove(resource)
+            } else {
+                None
+            };
             let after_revoke = was.as_ref().is_some_and(|w| w.revoked);
             if after_revoke {
                 // Counted once, as a revocation.
@@ -1450,7 +1460,7 @@ impl Session {
                 .encode(),
             );
             let mut reg = self.ctx.reg();
-            if let Some(lh) = reg.holds.get_mut(r) {
+            if let Some(lh) = reg.holds.get_mut(r).filter(|lh| lh.session == self.id) {
                 if !lh.revoked {
                     lh.revoked = true;
                     reg.counters.revocations += 1;

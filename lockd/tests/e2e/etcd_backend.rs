@@ -629,3 +629,94 @@ fn sigterm_tells_holders_before_the_lease_goes() {
         (t_granted - t_told).as_secs_f64() * 1e3
     );
 }
+
+/// Read `conn` on a thread until `event` or `limit`; sends (when, the event if it came),
+/// then drops the connection (a holder's connection closes when its reader gives up).
+fn arrival_or_timeout(
+    mut conn: Line,
+    event: &'static str,
+    limit: Duration,
+) -> mpsc::Receiver<(Instant, Option<Value>)> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let v = conn.recv_until(event, limit);
+        let at = Instant::now();
+        let got = v.is_some();
+        if !got {
+            drop(conn);
+            let _ = tx.send((at, None));
+        } else {
+            let _ = tx.send((at, v));
+            drop(conn);
+        }
+    });
+    rx
+}
+
+/// Three etcd members; the leader is SIGKILLed while A's holder holds the lock and B waits:
+/// the holder is never told `lost` (the lease survives the election), B is not granted while
+/// A's holder holds; once A's holder lets go, B is granted with a higher epoch.
+#[test]
+fn etcd_leader_killed_while_a_lease_is_held() {
+    let _process = serial();
+    let d = tempfile::tempdir().unwrap();
+    let Some(mut members) = Etcd::start_cluster(d.path(), 3) else {
+        harness::skip::skip(
+            "etcd_backend::etcd_leader_killed",
+            "no etcd binary (apt-get install etcd-server; .ci/run installs it)",
+        );
+        return;
+    };
+    let urls: Vec<String> = members.iter().map(|m| m.client_url.clone()).collect();
+    let urls = urls.join(",");
+    let a = start(d.path(), "A", &urls, &["--etcd-ttl", "5s"], &[]);
+    let b = start(d.path(), "B", &urls, &["--etcd-ttl", "5s"], &[]);
+    let mut holder = Line::connect(&a.sock).unwrap();
+    holder.acquire("engine", "ha");
+    let ea = holder
+        .recv_until("granted", Duration::from_secs(10))
+        .unwrap()["epoch"]
+        .as_u64()
+        .unwrap();
+    let mut waiter = Line::connect(&b.sock).unwrap();
+    waiter.acquire("engine", "hb");
+    waiter
+        .recv_until("queued", Duration::from_secs(10))
+        .unwrap();
+
+    let leader = wait_for(Duration::from_secs(10), "an etcd leader", || {
+        members.iter().position(|m| m.is_leader() == Some(true))
+    });
+    // Over two TTLs with the leader gone: the holder must not be told, B not granted.
+    let window = Duration::from_secs(10);
+    let told = arrival_or_timeout(holder, "revoked", window);
+    let granted = arrival_or_timeout(waiter, "granted", window + Duration::from_secs(10));
+    let t_kill = Instant::now();
+    members[leader].kill();
+    let (t_holder_done, revoked) = told.recv_timeout(window + Duration::from_secs(5)).unwrap();
+    assert!(
+        revoked.is_none(),
+        "A's holder was told {revoked:?} {:?} after the leader's kill\nA: {}",
+        t_holder_done - t_kill,
+        a.proc.log_text()
+    );
+    // The holder's connection is closed now: B is granted, after it, with a higher epoch.
+    let (t_granted, g) = granted.recv_timeout(Duration::from_secs(20)).unwrap();
+    let g = g.unwrap_or_else(|| {
+        panic!(
+            "B not granted after A's holder let go\nB: {}",
+            b.proc.log_text()
+        )
+    });
+    assert!(
+        t_granted >= t_holder_done,
+        "B granted while A's holder held the lock"
+    );
+    let eb = g["epoch"].as_u64().unwrap();
+    assert!(eb > ea, "epoch {eb} not above {ea}");
+    eprintln!(
+        "leader killed: holder kept the lock {:.1} s; after it let go B was granted in {:.0} ms (epoch {ea} -> {eb})",
+        (t_holder_done - t_kill).as_secs_f64(),
+        (t_granted - t_holder_done).as_secs_f64() * 1e3
+    );
+}
