@@ -34,6 +34,15 @@ fn find_on_path(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// This machine's architecture as Go names it (etcd's `ETCD_UNSUPPORTED_ARCH` compares with it).
+fn go_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    }
+}
+
 /// A running etcd.
 pub struct Etcd {
     proc: Proc,
@@ -90,7 +99,7 @@ impl Etcd {
                     "warn",
                 ]);
             // Debian's etcd 3.4 on arm64 needs this; harmless elsewhere.
-            cmd.env("ETCD_UNSUPPORTED_ARCH", std::env::consts::ARCH);
+            cmd.env("ETCD_UNSUPPORTED_ARCH", go_arch());
             let proc = Proc::spawn(&format!("etcd-{i}"), cmd, dir.join(format!("etcd-{i}.log")));
             members.push(Etcd {
                 proc,

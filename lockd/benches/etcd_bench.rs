@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! cargo bench -p lockd --bench etcd_bench -- [--rounds 100] [--etcdctl-rounds 10] [--etcdctl-ttl 2]
+//!     [--clients 64] [--seconds 5]
 //! ```
 //!
 //! One real etcd (Debian's etcd-server) on free loopback ports, data on tmpfs when /dev/shm
@@ -15,6 +16,10 @@
 //!   --ttl T NAME` waits; the holder's process group is SIGKILLed; the figure is the time
 //!   until the waiter prints its key (it has the lock). Nothing revokes the dead holder's
 //!   lease: the handoff waits for its TTL.
+//!
+//! * **throughput**: `--clients` raw connections, half on A and half on B, contend for one
+//!   resource for `--seconds`: each, once granted, releases and acquires again; the figure is
+//!   grants per second (every grant is a hand-over through etcd).
 //!
 //! Percentiles are nearest rank (`harness::stats`). Prints one table.
 
@@ -199,6 +204,8 @@ fn row(name: &str, mut v: Vec<Duration>) -> String {
 
 fn main() {
     let rounds = arg("--rounds", 100) as usize;
+    let clients = arg("--clients", 64) as usize;
+    let seconds = arg("--seconds", 5);
     let ctl_rounds = arg("--etcdctl-rounds", 10) as usize;
     let ttl = arg("--etcdctl-ttl", 2);
     let base = if Path::new("/dev/shm").is_dir() {
@@ -220,6 +227,8 @@ fn main() {
             eprintln!("lockd rounds: {}/{rounds}", i + 1);
         }
     }
+    eprintln!("throughput: {clients} clients for {seconds} s");
+    let tput = throughput(&sock_a, &sock_b, clients, seconds);
     let mut ctl = Vec::new();
     match harness::etcd::etcdctl() {
         Some(c) => {
@@ -240,8 +249,8 @@ fn main() {
         "cross-node handoff on the holder's SIGKILL (one etcd {}, two lockds on loopback)",
         etcd_version()
     );
-    println!("| handoff | rounds | median | p99 | max |");
-    println!("|---|---|---|---|---|");
+    println!("| handoff | rounds | median | p90 | p99 | max |");
+    println!("|---|---|---|---|---|---|");
     println!(
         "{}",
         row(

@@ -170,14 +170,12 @@ pub async fn all_locks(
 pub enum Standing {
     /// Our key is the oldest: the lock is ours.
     Owner,
-    /// Keys older than ours: `ahead` of them; the closest is `predecessor`, seen at `revision`.
+    /// Keys older than ours: `ahead` of them; the closest is `predecessor`.
     Behind {
         /// How many keys are older than ours.
         ahead: i64,
         /// The key created just before ours.
         predecessor: String,
-        /// The store revision of the answer (watch from the next one).
-        revision: i64,
         /// The owner's value (holder@node), for `busy`.
         owner_value: String,
     },
@@ -201,7 +199,6 @@ pub async fn standing(
         client.get(resource_prefix(prefix, resource), Some(opts)),
     )
     .await?;
-    let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
     // The filter is applied by etcd, but count on what came back, not on `count` (etcd
     // counts the range before filtering).
     let older: Vec<&etcd_client::KeyValue> = resp
@@ -215,38 +212,53 @@ pub async fn standing(
     Ok(Standing::Behind {
         ahead: older.len() as i64,
         predecessor: String::from_utf8_lossy(pred.key()).into_owned(),
-        revision,
         owner_value: String::from_utf8_lossy(first.value()).into_owned(),
     })
 }
 
-/// Wait until `key` is deleted (watching from `from_revision`, so a deletion between the
-/// read and the watch is not missed). Returns when the delete event is seen or the watch
-/// ends (the caller checks its standing again either way).
+/// Wait until `key` is deleted: watch it from now, and once etcd confirms the watch, check the
+/// key still exists (a deletion before the watch began is then seen by the read, one after it
+/// by the watch: none is missed). Watching "from now" keeps the watcher in etcd's synced set;
+/// a watch from a past revision starts unsynced and etcd delivers its events only at its next
+/// catch-up round (every 100 ms), which is what the handoff's tail was made of. Returns when
+/// the key is gone or the watch ends (the caller checks its standing again either way).
 pub async fn wait_deleted(
     client: &mut Client,
+    limit: Duration,
     key: &str,
-    from_revision: i64,
 ) -> Result<(), EtcdError> {
-    let opts = WatchOptions::new()
-        .with_start_revision(from_revision)
-        .with_filters([WatchFilterType::NoPut]);
-    let mut stream = client.watch(key, Some(opts)).await?;
+    let opts = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
+    let mut stream = bounded(limit, client.watch(key, Some(opts))).await?;
+    let deleted = |resp: &etcd_client::WatchResponse| {
+        resp.events()
+            .iter()
+            .any(|e| e.event_type() == EventType::Delete)
+    };
+    // The watch's `created` answer first (bounded).
+    loop {
+        let Some(resp) = bounded(limit, stream.message()).await? else {
+            return Ok(());
+        };
+        if resp.canceled() || deleted(&resp) {
+            return Ok(());
+        }
+        if resp.created() {
+            break;
+        }
+    }
+    let now = bounded(
+        limit,
+        client.get(key, Some(GetOptions::new().with_count_only())),
+    )
+    .await?;
+    if now.count() == 0 {
+        return Ok(());
+    }
     loop {
         match stream.message().await? {
             None => return Ok(()),
-            Some(resp) => {
-                if resp.canceled() {
-                    return Ok(());
-                }
-                if resp
-                    .events()
-                    .iter()
-                    .any(|e| e.event_type() == EventType::Delete)
-                {
-                    return Ok(());
-                }
-            }
+            Some(resp) if resp.canceled() || deleted(&resp) => return Ok(()),
+            Some(_) => {}
         }
     }
 }

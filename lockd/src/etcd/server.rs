@@ -1551,7 +1551,6 @@ async fn acquire_task(
                 Standing::Behind {
                     ahead,
                     predecessor,
-                    revision,
                     owner_value,
                 } => {
                     if !wait {
@@ -1569,7 +1568,7 @@ async fn acquire_task(
                         });
                     }
                     debug!(session, resource = %resource, predecessor = %predecessor, "waiting for the predecessor's deletion");
-                    mutex::wait_deleted(&mut client, &predecessor, revision + 1).await?;
+                    mutex::wait_deleted(&mut client, limit, &predecessor).await?;
                     Ok(None)
                 }
             }
