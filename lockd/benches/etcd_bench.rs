@@ -193,13 +193,51 @@ fn row(name: &str, mut v: Vec<Duration>) -> String {
         |d: Option<Duration>| d.map_or("-".into(), |d| format!("{:.1} ms", d.as_secs_f64() * 1e3));
     let n = v.len();
     let med = harness::stats::percentile_of(&mut v, 50.0);
+    let p90 = harness::stats::percentile_of(&mut v, 90.0);
     let p99 = harness::stats::percentile_of(&mut v, 99.0);
     format!(
-        "| {name} | {n} | {} | {} | {} |",
+        "| {name} | {n} | {} | {} | {} | {} |",
         ms(med),
+        ms(p90),
         ms(p99),
         ms(v.last().copied())
     )
+}
+
+/// `clients` connections (alternating A and B) cycling acquire → granted → release on one
+/// resource for `secs`: grants per second.
+fn throughput(a: &Path, b: &Path, clients: usize, secs: u64) -> f64 {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let mut threads = Vec::new();
+    for i in 0..clients {
+        let sock = if i % 2 == 0 {
+            a.to_path_buf()
+        } else {
+            b.to_path_buf()
+        };
+        let stop = stop.clone();
+        threads.push(std::thread::spawn(move || {
+            let mut c = Conn::new(&sock);
+            let acquire =
+                format!("{{\"op\":\"acquire\",\"resource\":\"tp\",\"holder\":\"c{i}\"}}\n");
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                c.w.write_all(acquire.as_bytes()).unwrap();
+                c.until("granted");
+                n += 1;
+                c.w.write_all(b"{\"op\":\"release\",\"resource\":\"tp\"}\n")
+                    .unwrap();
+                c.until("released");
+            }
+            n
+        }));
+    }
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs(secs));
+    stop.store(true, Ordering::Relaxed);
+    let total: u64 = threads.into_iter().map(|t| t.join().unwrap_or(0)).sum();
+    total as f64 / t0.elapsed().as_secs_f64()
 }
 
 fn main() {
@@ -265,6 +303,8 @@ fn main() {
             ctl
         )
     );
+    println!();
+    println!("| throughput, one resource, {clients} clients over A and B | {tput:.0} grants/s |");
 }
 
 fn etcd_version() -> String {
