@@ -706,6 +706,11 @@ async fn serve(a: ServeArgs) -> ExitCode {
 
 async fn serve_etcd(a: ServeArgs, shutdown: impl std::future::Future<Output = ()>) -> ExitCode {
     use lockd::etcd::{server::EtcdServer, EtcdConfig, Margin};
+    if a.metrics.is_some() || a.offers.is_some() {
+        eprintln!(
+            "lockd: warning: --metrics and --offers are not served by --backend etcd; ignored"
+        );
+    }
     let e = a.etcd;
     let node = e.etcd_node.unwrap_or_else(|| {
         std::fs::read_to_string("/proc/sys/kernel/hostname")

@@ -220,13 +220,14 @@ pub async fn standing(
 /// key still exists (a deletion before the watch began is then seen by the read, one after it
 /// by the watch: none is missed). Watching "from now" keeps the watcher in etcd's synced set;
 /// a watch from a past revision starts unsynced and etcd delivers its events only at its next
-/// catch-up round (every 100 ms), which is what the handoff's tail was made of. Returns when
-/// the key is gone or the watch ends (the caller checks its standing again either way).
+/// catch-up round (every 100 ms), which is what the handoff's tail was made of. Returns true
+/// when the key is gone, false when the watch ended without seeing that (etcd cancelled it);
+/// the caller checks its standing again either way.
 pub async fn wait_deleted(
     client: &mut Client,
     limit: Duration,
     key: &str,
-) -> Result<(), EtcdError> {
+) -> Result<bool, EtcdError> {
     let opts = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
     let mut stream = bounded(limit, client.watch(key, Some(opts))).await?;
     let deleted = |resp: &etcd_client::WatchResponse| {
@@ -237,10 +238,13 @@ pub async fn wait_deleted(
     // The watch's `created` answer first (bounded).
     loop {
         let Some(resp) = bounded(limit, stream.message()).await? else {
-            return Ok(());
+            return Ok(false);
         };
-        if resp.canceled() || deleted(&resp) {
-            return Ok(());
+        if deleted(&resp) {
+            return Ok(true);
+        }
+        if resp.canceled() {
+            return Ok(false);
         }
         if resp.created() {
             break;
@@ -252,12 +256,13 @@ pub async fn wait_deleted(
     )
     .await?;
     if now.count() == 0 {
-        return Ok(());
+        return Ok(true);
     }
     loop {
         match stream.message().await? {
-            None => return Ok(()),
-            Some(resp) if resp.canceled() || deleted(&resp) => return Ok(()),
+            None => return Ok(false),
+            Some(resp) if deleted(&resp) => return Ok(true),
+            Some(resp) if resp.canceled() => return Ok(false),
             Some(_) => {}
         }
     }

@@ -1568,8 +1568,14 @@ async fn acquire_task(
                         });
                     }
                     debug!(session, resource = %resource, predecessor = %predecessor, "waiting for the predecessor's deletion");
-                    mutex::wait_deleted(&mut client, limit, &predecessor).await?;
-                    Ok(None)
+                    if mutex::wait_deleted(&mut client, limit, &predecessor).await? {
+                        Ok(None)
+                    } else {
+                        // The watch ended without the deletion: look again, after a pause.
+                        Err(EtcdError::Unexpected(format!(
+                            "the watch on {predecessor} ended"
+                        )))
+                    }
                 }
             }
         }
