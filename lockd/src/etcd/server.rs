@@ -1687,8 +1687,7 @@ async fn keep_alive(
             Some(Ok(ks)) => ks,
         };
         fence.step(Instant::now(), FenceInput::StreamReset);
-        // The stream's first request went out with it (etcd-client sends one at open? no:
-        // we send every `every`, starting now).
+        // Opening the stream sends nothing: the first keepalive goes now, then every `every`.
         let mut next_send = tokio::time::Instant::now();
         loop {
             let deadline = fence
