@@ -449,6 +449,12 @@ impl Driver {
         self.graves.push(socket);
     }
 
+    /// Close every buried socket now.
+    fn reap_now(&mut self) {
+        self.graves_since = None;
+        self.graves.clear();
+    }
+
     fn send(&mut self, session: SessionId, event: &Event) {
         self.deliver(session, event.encode());
     }
@@ -1066,6 +1072,8 @@ impl Server {
                                 }
                                 Err(e) => {
                                     warn!(error = %e, "accept failed");
+                                    // Out of descriptors: close the dead sessions' now.
+                                    d.borrow_mut().reap_now();
                                     tokio::time::sleep(Duration::from_millis(50)).await;
                                 }
                             }
@@ -1092,6 +1100,8 @@ impl Server {
                                 }
                                 Err(e) => {
                                     warn!(error = %e, "accept failed");
+                                    // Out of descriptors: close the dead sessions' now.
+                                    d.borrow_mut().reap_now();
                                     tokio::time::sleep(Duration::from_millis(50)).await;
                                 }
                             }
@@ -1160,12 +1170,7 @@ impl Server {
                                 break;
                             }
                         }
-                        let graves = {
-                            let mut d = rd.borrow_mut();
-                            d.graves_since = None;
-                            std::mem::take(&mut d.graves)
-                        };
-                        drop(graves);
+                        rd.borrow_mut().reap_now();
                     }
                 });
                 let (sd, spin) = (driver.clone(), driver.borrow().spin.clone());
