@@ -9,7 +9,6 @@
 //! uses a `LocalSet`.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::future::Future;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -21,6 +20,8 @@ use tokio::sync::Notify;
 use tracing::{debug, error, info, warn};
 
 use crate::core::{Config, Core, Input, Now, Output, SessionId};
+// Session ids are lockd's own counter: no need for SipHash's flood resistance.
+use crate::kinds::waitfor::IdMap;
 use crate::line::LineBuf;
 use crate::metrics::{self, Metrics};
 use crate::persist::{PersistError, StateFile};
@@ -177,10 +178,10 @@ struct Driver {
     /// Where durable state goes.
     state: StateFile,
     /// Outbound paths of connected sessions (dropping one closes that connection).
-    sessions: HashMap<SessionId, Outbound>,
+    sessions: IdMap<SessionId, Outbound>,
     /// Peer pid and uid per session, for the log lines of its lease changes (not the whole
     /// identity: the core has it, and this is one more entry per connection).
-    peers: HashMap<SessionId, (Option<i32>, Option<u32>)>,
+    peers: IdMap<SessionId, (Option<i32>, Option<u32>)>,
     /// Measurements for `/metrics`.
     metrics: Metrics,
     /// Wakes the window timer when deadlines may have changed.
@@ -1000,8 +1001,8 @@ impl Server {
         let driver = Rc::new(RefCell::new(Driver {
             core,
             state: state_file,
-            sessions: HashMap::new(),
-            peers: HashMap::new(),
+            sessions: IdMap::default(),
+            peers: IdMap::default(),
             metrics: Metrics::default(),
             timer: Rc::new(Notify::new()),
             out_batch: Vec::new(),
