@@ -22,7 +22,7 @@ use super::records::{PersistedResource, PersistedState, Tombstone, STATE_VERSION
 use super::table::LeaseKind;
 use super::Core;
 use crate::kinds::quantity::{PoolChanges, QuantityRecords};
-use crate::kinds::shared::SharedResourceRecord;
+use crate::kinds::shared::{SharedChanges, SharedResourceRecord};
 use crate::kinds::ttl::{TtlCounters, TtlLeaseRecord};
 use crate::proto::{Counters, KindCounters};
 
@@ -32,9 +32,13 @@ pub struct NameRecords {
     /// Its entry in `resources` (epoch, connection-bound holder, data version).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resource: Option<PersistedResource>,
-    /// Its entry in `shared.resources`.
+    /// Its entry in `shared.resources`, whole (written by a lockd before shared changes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared: Option<SharedResourceRecord>,
+    /// Or what changed in that entry (created if absent): its version and epoch, and the
+    /// holders that came, changed or went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_changes: Option<SharedChanges>,
     /// Its entry in `pools` (the whole pool: offers and leases), when the pool is new since
     /// the last write (or was written whole by a lockd before pool changes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -121,7 +125,15 @@ impl StateDelta {
         }
         for (name, r) in &self.names {
             set(&mut st.resources, name, &r.resource);
-            set(&mut st.shared.resources, name, &r.shared);
+            match &r.shared_changes {
+                Some(c) => st
+                    .shared
+                    .resources
+                    .entry(name.clone())
+                    .or_default()
+                    .apply(c),
+                None => set(&mut st.shared.resources, name, &r.shared),
+            }
             match &r.pool_changes {
                 Some(c) => match st.pools.get_mut(name) {
                     Some(p) => p.apply(c),
@@ -227,6 +239,7 @@ impl Core {
         for p in self.pools.values_mut() {
             p.forget_changes();
         }
+        self.shared.forget_changes();
     }
 
     /// Whether the changes noted since the last write touch so much of the state (at least
@@ -265,7 +278,8 @@ impl Core {
                         .resources
                         .get(&name)
                         .map(|r| self.persisted_resource(&name, r)),
-                    shared: self.shared.record(&name),
+                    shared: None,
+                    shared_changes: self.shared.take_changes(&name),
                     pool: None,
                     pool_changes: None,
                 };
