@@ -724,6 +724,12 @@ struct KindScale {
     status_nosess_bytes: usize,
     mass_handover_ms: f64,
     mass_writes: f64,
+    /// The bench's own part: closing the connections / sending the releases.
+    mass_client_ms: f64,
+    /// CPU time lockd spent during the mass hand-over.
+    mass_lockd_cpu_ms: f64,
+    /// Time in lockd's durable state writes during the mass hand-over.
+    mass_persist_ms: f64,
 }
 
 /// The scale scenario of one protocol-2 kind on a fresh lockd, `sessions` raw connections:
@@ -805,7 +811,16 @@ fn scale_kind(dir: &Path, kind: Kind, sessions: usize, resources: usize) -> Kind
     let (status_us, status_bytes) = status_times(&mut st, &mut p, true, 10);
     let (status_nosess_us, status_nosess_bytes) = status_times(&mut st, &mut p, false, 10);
     drop(st);
+    if let Some(ms) = std::env::var("LOCKD_BENCH_PAUSE_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        // For attaching a profiler to lockd (pid on stderr) just before the mass hand-over.
+        eprintln!("  mass hand-over of lockd pid {pid} in {ms} ms");
+        std::thread::sleep(Duration::from_millis(ms));
+    }
     let w0 = scrape(metrics);
+    let cpu0 = cpu_secs(pid);
     let t = Instant::now();
     match kind {
         Kind::Exclusive | Kind::Shared => drop(holders),
@@ -816,6 +831,7 @@ fn scale_kind(dir: &Path, kind: Kind, sessions: usize, resources: usize) -> Kind
             }
         }
     }
+    let mass_client_ms = t.elapsed().as_secs_f64() * 1e3;
     // The next waiter of each resource (quantity: the first `resources` waiters, FIFO).
     let next = match kind {
         Kind::Shared => waiters.len(),
@@ -825,9 +841,12 @@ fn scale_kind(dir: &Path, kind: Kind, sessions: usize, resources: usize) -> Kind
         w.until(b"\"event\":\"granted\"", Duration::from_secs(120));
     }
     let mass_handover_ms = t.elapsed().as_secs_f64() * 1e3;
+    let mass_lockd_cpu_ms = (cpu_secs(pid) - cpu0) * 1e3;
     let w1 = scrape(metrics);
     let mass_writes =
         metric(&w1, "lockd_persist_seconds_count") - metric(&w0, "lockd_persist_seconds_count");
+    let mass_persist_ms =
+        (metric(&w1, "lockd_persist_seconds_sum") - metric(&w0, "lockd_persist_seconds_sum")) * 1e3;
     drop(waiters);
     lockd.signal(Signal::SIGTERM);
     let _ = lockd.wait_exit(Duration::from_secs(30));
@@ -844,6 +863,9 @@ fn scale_kind(dir: &Path, kind: Kind, sessions: usize, resources: usize) -> Kind
         status_nosess_bytes,
         mass_handover_ms,
         mass_writes,
+        mass_client_ms,
+        mass_lockd_cpu_ms,
+        mass_persist_ms,
     }
 }
 
@@ -902,7 +924,12 @@ fn kind_cycles(sock: &Path, kind: Kind, secs: f64) -> (u64, f64) {
 /// returns them as JSON.
 fn kinds_phase(base: &Path, sessions: usize, resources: usize, secs: f64) -> serde_json::Value {
     let mut rows = Vec::new();
+    // `--kind ttl|shared|quantity`: that kind's scale scenario alone (and no cycles).
+    let only = arg_str("--kind");
     for kind in [Kind::Ttl, Kind::Shared, Kind::Quantity] {
+        if only.as_deref().is_some_and(|k| !kind.name().starts_with(k)) {
+            continue;
+        }
         let dir = base.join(format!(
             "scale-{}",
             kind.name().split(' ').next().unwrap_or("k")
@@ -979,7 +1006,19 @@ fn kinds_phase(base: &Path, sessions: usize, resources: usize, secs: f64) -> ser
             "status_ms": {"median": med / 1e3, "p99": pct(&k.status_us, 99.0) / 1e3, "bytes": k.status_bytes},
             "status_sessions_false_ms": {"median": nmed / 1e3, "p99": pct(&k.status_nosess_us, 99.0) / 1e3, "bytes": k.status_nosess_bytes},
             "mass_handover_ms": k.mass_handover_ms, "mass_handovers": overs, "mass_handover_state_writes": k.mass_writes,
+            "mass_handover_client_ms": k.mass_client_ms, "mass_handover_lockd_cpu_ms": k.mass_lockd_cpu_ms,
+            "mass_handover_persist_ms": k.mass_persist_ms,
         }));
+    }
+    println!("  mass hand-over, where the time goes (client: the bench closing / releasing; lockd: its CPU time; persist: its state writes):");
+    for k in &rows {
+        println!(
+            "  {:<9} client {:.1} ms, lockd CPU {:.1} ms, persist {:.1} ms",
+            k.kind.name(),
+            k.mass_client_ms,
+            k.mass_lockd_cpu_ms,
+            k.mass_persist_ms
+        );
     }
     println!("\none client, one resource: acquire+release cycles (each request waits for its answer; state fsynced per change)");
     let mut json_cycles = serde_json::Map::new();

@@ -18,6 +18,7 @@ use tracing::{debug, info, warn};
 
 use crate::line::LineBuf;
 use crate::proto::{self, Event, Request};
+use crate::watchdog::{Due, Watchdog};
 use crate::Endpoint;
 
 /// Longest event line the client accepts (status reports can be large).
@@ -38,6 +39,11 @@ pub struct ClientOptions {
     /// [`Request::Anchor`] and [`anchor_pair`]). Its peer end is what the holder's processes
     /// inherit: lockd keeps the session's leases until that end is closed everywhere.
     pub anchor: Option<Arc<OwnedFd>>,
+    /// Watch lockd itself (`crate::watchdog`): ping it every quarter of this, and when
+    /// nothing has come from it for this long while leases are held, report them
+    /// [`LockEvent::Lost`] and start a new connection. For lockd on etcd, where a stopped
+    /// lockd's leases expire and another node is granted; None (the default): off.
+    pub watchdog: Option<Duration>,
 }
 
 impl Default for ClientOptions {
@@ -47,6 +53,7 @@ impl Default for ClientOptions {
             reconnect_timeout: Duration::from_secs(15),
             label: None,
             anchor: None,
+            watchdog: None,
         }
     }
 }
@@ -355,7 +362,11 @@ impl LockClient {
         let fd = Arc::new(Mutex::new(Some(stream.raw_fd())));
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let (ev_tx, ev_rx) = mpsc::unbounded_channel();
+        let watchdog = opts
+            .watchdog
+            .map(|limit| Watchdog::new(limit, std::time::Instant::now()));
         let task = Task {
+            watchdog,
             endpoint: endpoint.clone(),
             label: opts.label.clone().unwrap_or_else(|| "lockd-client".into()),
             opts,
@@ -500,6 +511,8 @@ struct Task {
     /// Process anchors (pidfds) added with `add_process_anchor`, re-attached after every
     /// reconnect (those whose process has exited are dropped first).
     process_anchors: Vec<Arc<OwnedFd>>,
+    /// Silence detector on lockd ([`ClientOptions::watchdog`]).
+    watchdog: Option<Watchdog>,
 }
 
 /// How a connected phase ended.
@@ -578,6 +591,27 @@ impl Task {
         self.process_anchors.push(fd);
     }
 
+    /// When the watchdog gives up the leases held (None: off, or nothing held).
+    fn silent_at(&self) -> Option<Instant> {
+        self.watchdog
+            .as_ref()
+            .filter(|_| !self.held.is_empty())
+            .map(|w| Instant::from_std(w.silent_at()))
+    }
+
+    /// Nothing came from lockd for the watchdog's limit: every lease held is lost.
+    fn lose_all_silent(&mut self) {
+        let Some(w) = self.watchdog.as_mut() else {
+            return;
+        };
+        let cause = format!("no sign of life from lockd for {:?} (watchdog)", w.limit());
+        w.rearm(std::time::Instant::now());
+        for h in self.held.values_mut() {
+            h.confirmed = false;
+        }
+        self.lose_unconfirmed(&cause);
+    }
+
     fn lose_unconfirmed(&mut self, cause: &str) {
         let lost: Vec<String> = self
             .held
@@ -606,6 +640,7 @@ impl Task {
             let attempt = connect_once(&ep, self.opts.connect_timeout);
             tokio::pin!(attempt);
             let deadline = self.lost_deadline;
+            let silent = self.silent_at();
             let res = tokio::select! {
                 r = &mut attempt => Some(r),
                 c = cmds.recv() => {
@@ -617,6 +652,10 @@ impl Task {
                 _ = sleep_opt(deadline) => {
                     let t = self.opts.reconnect_timeout;
                     self.lose_unconfirmed(&format!("could not reconnect to lockd within {t:?}"));
+                    None
+                }
+                _ = sleep_opt(silent) => {
+                    self.lose_all_silent();
                     None
                 }
             };
@@ -730,6 +769,10 @@ impl Task {
         let mut lb = LineBuf::new(MAX_EVENT_LINE);
         loop {
             let deadline = self.lost_deadline;
+            let watch = self
+                .watchdog
+                .as_ref()
+                .map(|w| Instant::from_std(w.next_wakeup()));
             tokio::select! {
                 r = s.readable() => {
                     if let Err(e) = r {
@@ -742,11 +785,38 @@ impl Task {
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
                         Err(e) => return Flow::Broken(format!("read failed: {e}")),
                     }
+                    if let Some(w) = self.watchdog.as_mut() {
+                        w.heard(std::time::Instant::now());
+                    }
                     while let Some(item) = lb.next_line() {
                         match item {
                             Ok(line) => self.on_line(&line),
                             Err(e) => return Flow::Broken(format!("event {e}")),
                         }
+                    }
+                }
+                _ = sleep_opt(watch) => {
+                    let due = self.watchdog.as_mut().and_then(|w| w.poll(std::time::Instant::now()));
+                    match due {
+                        Some(Due::Ping) => {
+                            let ping = proto::encode_request(&Request::Ping);
+                            if let Err(e) = s.write_all(ping.as_bytes()).await {
+                                return Flow::Broken(format!("write failed: {e}"));
+                            }
+                        }
+                        Some(Due::Silent) if !self.held.is_empty() => {
+                            let limit = self.watchdog.as_ref().map(Watchdog::limit).unwrap_or_default();
+                            self.lose_all_silent();
+                            // A new session: lockd ends this one (and whatever it still
+                            // holds) once it reads again.
+                            return Flow::Broken(format!("no sign of life from lockd for {limit:?} (watchdog)"));
+                        }
+                        Some(Due::Silent) => {
+                            if let Some(w) = self.watchdog.as_mut() {
+                                w.rearm(std::time::Instant::now());
+                            }
+                        }
+                        None => {}
                     }
                 }
                 c = cmds.recv() => {

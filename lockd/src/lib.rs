@@ -21,6 +21,7 @@ pub mod proto;
 pub mod reserve;
 pub mod reserve_cmd;
 pub mod server;
+pub mod watchdog;
 
 use std::fmt;
 use std::path::PathBuf;

@@ -930,6 +930,7 @@ async fn hold_inner(a: HoldArgs) -> std::result::Result<u8, Fail> {
         reconnect_timeout: a.reconnect_timeout,
         label: Some(format!("hold:{}", a.holder)),
         anchor: anchor_keep,
+        watchdog: None,
     };
     // Resolve CMD in PATH now, not on the handoff's critical path after the grant.
     let program = resolve_in_path(&a.cmd[0]);

@@ -153,9 +153,9 @@ pub fn journal_path(state: &Path) -> PathBuf {
 
 /// A snapshot as written: the state plus the last journal number it covers.
 #[derive(serde::Serialize)]
-struct Stamped<'a> {
+struct Stamped<'a, S> {
     #[serde(flatten)]
-    state: &'a PersistedState,
+    state: &'a S,
     journal: u64,
 }
 
@@ -529,7 +529,10 @@ impl StateFile {
     /// a crash before that point replays nothing twice). The state is durable when this
     /// returns Ok; a crash at any point leaves `STATE` holding the old or the new snapshot,
     /// whole.
-    pub fn write(&mut self, state: &PersistedState) -> Result<(), PersistError> {
+    ///
+    /// `state` is a [`PersistedState`] or what serializes the same
+    /// ([`crate::core::PersistedStateView`]).
+    pub fn write<S: serde::Serialize>(&mut self, state: &S) -> Result<(), PersistError> {
         let mut bytes = std::mem::take(&mut self.buf);
         let stamped = Stamped {
             state,

@@ -15,6 +15,15 @@ fn dur(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 250ms, 10s, 5m)"))
 }
 
+/// `--lock-watchdog`: a duration of at least 10 ms (it is pinged every quarter of it).
+fn watchdog_dur(s: &str) -> Result<Duration, String> {
+    let d = dur(s)?;
+    if d < Duration::from_millis(10) {
+        return Err(format!("{s:?}: the lock watchdog needs at least 10ms"));
+    }
+    Ok(d)
+}
+
 /// Byte count: plain bytes (`42949672960`) or a number with a unit: decimal `K`/`KB`, `M`/`MB`,
 /// `G`/`GB`, `T`/`TB` (powers of 1000) or binary `Ki`/`KiB`, `Mi`/`MiB`, `Gi`/`GiB`,
 /// `Ti`/`TiB` (powers of 1024); units are case-insensitive, an optional `B` suffix is accepted.
@@ -177,6 +186,15 @@ pub struct RunArgs {
     /// than us in the pod).
     #[arg(long, env = "SUPERVISOR_LOCK_WAIT", value_parser = dur, default_value = "60s")]
     pub lock_wait: Duration,
+
+    /// Watch lockd itself: ping it every quarter of DUR, and when nothing has come from it
+    /// for DUR while the lease is held, treat the lease as lost and fence the engine. For
+    /// lockd on etcd, where a stopped or killed lockd's etcd lease expires and another node
+    /// is granted: set it to 2/3 of (etcd TTL − lockd's self-fence margin) or less
+    /// (docs/ETCD.md, "The supervisor's watchdog"). Off by default (one lockd per pod: a
+    /// stopped lockd grants nobody else).
+    #[arg(long, env = "SUPERVISOR_LOCK_WATCHDOG", value_parser = watchdog_dur)]
+    pub lock_watchdog: Option<Duration>,
 
     /// Keep answering probes (as Dead) this long after fencing, before exiting. The lock is
     /// already released by then. Useful for debugging and tests; 0 in production.
@@ -428,6 +446,34 @@ mod tests {
         let from_env = t(&[]);
         std::env::remove_var("SUPERVISOR_ADAPTER");
         assert_eq!(from_env, Duration::from_secs(25));
+    }
+
+    #[test]
+    fn lock_watchdog_is_off_by_default_and_refuses_a_useless_limit() {
+        assert_eq!(run_args(&["--adapter", "vllm"]).lock_watchdog, None);
+        assert_eq!(
+            run_args(&["--adapter", "vllm", "--lock-watchdog", "2900ms"]).lock_watchdog,
+            Some(Duration::from_millis(2900))
+        );
+        let mut argv = vec![
+            "supervisor",
+            "--engine-id",
+            "0",
+            "--role",
+            "shadow",
+            "--adapter",
+            "vllm",
+        ];
+        argv.extend_from_slice(&["--lock", "unix:/tmp/x.sock", "--probes", "127.0.0.1:1"]);
+        argv.extend_from_slice(&[
+            "--engine-url",
+            "http://127.0.0.1:2",
+            "--lock-watchdog",
+            "0s",
+        ]);
+        argv.extend_from_slice(&["--", "engine"]);
+        let e = Wrap::try_parse_from(argv).expect_err("0s refused");
+        assert!(e.to_string().contains("at least 10ms"), "{e}");
     }
 
     #[test]

@@ -21,8 +21,8 @@ use super::leases::KindLease;
 use super::records::{PersistedResource, PersistedState, Tombstone, STATE_VERSION};
 use super::table::LeaseKind;
 use super::Core;
-use crate::kinds::quantity::QuantityRecords;
-use crate::kinds::shared::SharedResourceRecord;
+use crate::kinds::quantity::{PoolChanges, QuantityRecords};
+use crate::kinds::shared::{SharedChanges, SharedResourceRecord};
 use crate::kinds::ttl::{TtlCounters, TtlLeaseRecord};
 use crate::proto::{Counters, KindCounters};
 
@@ -32,12 +32,20 @@ pub struct NameRecords {
     /// Its entry in `resources` (epoch, connection-bound holder, data version).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resource: Option<PersistedResource>,
-    /// Its entry in `shared.resources`.
+    /// Its entry in `shared.resources`, whole (written by a lockd before shared changes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared: Option<SharedResourceRecord>,
-    /// Its entry in `pools` (the whole pool: offers and leases).
+    /// Or what changed in that entry (created if absent): its version and epoch, and the
+    /// holders that came, changed or went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_changes: Option<SharedChanges>,
+    /// Its entry in `pools` (the whole pool: offers and leases), when the pool is new since
+    /// the last write (or was written whole by a lockd before pool changes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<QuantityRecords>,
+    /// Or what changed in that entry: the offers and leases changed, each as it is now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_changes: Option<PoolChanges>,
 }
 
 /// Every record of one version-2 lease id as it is now; all `None`: it has ended (or was
@@ -117,8 +125,26 @@ impl StateDelta {
         }
         for (name, r) in &self.names {
             set(&mut st.resources, name, &r.resource);
-            set(&mut st.shared.resources, name, &r.shared);
-            set(&mut st.pools, name, &r.pool);
+            match &r.shared_changes {
+                Some(c) => st
+                    .shared
+                    .resources
+                    .entry(name.clone())
+                    .or_default()
+                    .apply(c),
+                None => set(&mut st.shared.resources, name, &r.shared),
+            }
+            match &r.pool_changes {
+                Some(c) => match st.pools.get_mut(name) {
+                    Some(p) => p.apply(c),
+                    None => {
+                        return Err(format!(
+                            "journal line changes pool {name:?}, absent from the state it follows"
+                        ))
+                    }
+                },
+                None => set(&mut st.pools, name, &r.pool),
+            }
         }
         for (id, r) in &self.leases {
             match &r.lease {
@@ -210,6 +236,10 @@ impl Core {
     pub fn drop_delta(&mut self) {
         self.notes = Notes::default();
         self.table.noted.clear();
+        for p in self.pools.values_mut() {
+            p.forget_changes();
+        }
+        self.shared.forget_changes();
     }
 
     /// Whether the changes noted since the last write touch so much of the state (at least
@@ -248,8 +278,24 @@ impl Core {
                         .resources
                         .get(&name)
                         .map(|r| self.persisted_resource(&name, r)),
-                    shared: self.shared.record(&name),
-                    pool: self.pools.get(&name).map(|p| p.records()),
+                    shared: None,
+                    shared_changes: self.shared.take_changes(&name),
+                    pool: None,
+                    pool_changes: None,
+                };
+                // A pool: what changed in it (all of it when it is new since the last write).
+                let rec = match self.pools.get_mut(&name) {
+                    Some(p) => match p.take_changes() {
+                        Some(c) => NameRecords {
+                            pool_changes: Some(c),
+                            ..rec
+                        },
+                        None => NameRecords {
+                            pool: Some(p.records()),
+                            ..rec
+                        },
+                    },
+                    None => rec,
                 };
                 (name, rec)
             })

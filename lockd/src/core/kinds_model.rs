@@ -203,6 +203,13 @@ impl Model {
             match o {
                 Output::Persist { seq } => {
                     let snap = self.core.snapshot();
+                    // The driver writes whole snapshots from the borrowed view: same bytes.
+                    let view = serde_json::to_string(&self.core.snapshot_view());
+                    let whole = serde_json::to_string(&snap);
+                    prop_assert!(
+                        view.is_ok() && view.as_ref().ok() == whole.as_ref().ok(),
+                        "the snapshot view serializes unlike the snapshot:\n{view:?}\n{whole:?}"
+                    );
                     // Now and then the driver writes a whole snapshot instead (compaction,
                     // a large change): the notes are dropped and the journal starts over.
                     if self.steps % 7 == 3 {

@@ -48,8 +48,8 @@ use crate::proto::{Counters, ErrorCode, Event, Notice, PeerInfo, Request};
 pub use delta::{LeaseRecords, NameRecords, StateDelta};
 pub use leases::KindLease;
 pub use records::{
-    check_state, decode_state, PersistedLease, PersistedResource, PersistedState, Tombstone,
-    READABLE_STATE_VERSIONS, STATE_VERSION,
+    check_state, decode_state, PersistedLease, PersistedResource, PersistedState,
+    PersistedStateView, Tombstone, READABLE_STATE_VERSIONS, STATE_VERSION,
 };
 use session::Session;
 pub use table::{LeaseKind, LeaseMode};

@@ -69,6 +69,46 @@ pub struct PersistedState {
     pub counters_by_kind: BTreeMap<LeaseKind, crate::proto::KindCounters>,
 }
 
+/// [`PersistedState`] as serialized from the core's own records ([`Core::snapshot_view`]):
+/// the same fields, in the same order, skipped under the same conditions.
+#[derive(Serialize)]
+pub struct PersistedStateView<'a> {
+    version: u32,
+    resources: BTreeMap<&'a str, PersistedResource>,
+    counters: Counters,
+    last_lease_id: u64,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tombstones: Vec<&'a Tombstone>,
+    #[serde(skip_serializing_if = "GrantedLeases::is_empty")]
+    kind_leases: GrantedLeases<'a>,
+    #[serde(skip_serializing_if = "is_default")]
+    ttl: crate::kinds::ttl::TtlRecords,
+    #[serde(skip_serializing_if = "is_default")]
+    shared: crate::kinds::shared::SharedRecords,
+    #[serde(skip_serializing_if = "is_default")]
+    shared_ttl: crate::kinds::ttl::TtlRecords,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pools: BTreeMap<&'a str, crate::kinds::quantity::QuantityRecords>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    counters_by_kind: &'a BTreeMap<LeaseKind, crate::proto::KindCounters>,
+}
+
+/// The granted version-2 leases of the core's registry, serialized as the map by lease id
+/// of [`PersistedState::kind_leases`].
+struct GrantedLeases<'a>(&'a BTreeMap<u64, super::leases::KindLease>);
+
+impl GrantedLeases<'_> {
+    fn is_empty(&self) -> bool {
+        !self.0.values().any(|l| l.granted)
+    }
+}
+
+impl Serialize for GrantedLeases<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.0.iter().filter(|(_, l)| l.granted))
+    }
+}
+
 impl Default for PersistedState {
     fn default() -> Self {
         PersistedState {
@@ -328,6 +368,40 @@ impl Core {
             epoch: r.epoch,
             holder,
             version: self.shared.version(name),
+        }
+    }
+
+    /// What [`Core::snapshot`] serializes to, borrowed from the core where the core keeps
+    /// the records as written (the version-2 leases, the tombstones): a whole-state write
+    /// serializes from the view, without cloning the state first and freeing the clone
+    /// after (two thirds of a snapshot's cost at 10,000 leases). Same bytes as the
+    /// snapshot's, checked at every write of the kinds model.
+    pub fn snapshot_view(&self) -> PersistedStateView<'_> {
+        PersistedStateView {
+            version: STATE_VERSION,
+            resources: self
+                .table
+                .resources
+                .iter()
+                .map(|(name, r)| (name.as_str(), self.persisted_resource(name, r)))
+                .collect(),
+            counters: self.counters,
+            last_lease_id: self.table.last_lease_id,
+            tombstones: self
+                .tomb_order
+                .iter()
+                .filter_map(|id| self.tombs.get(id))
+                .collect(),
+            kind_leases: GrantedLeases(&self.kl),
+            ttl: self.ttl.snapshot(),
+            shared: self.shared.snapshot(),
+            shared_ttl: self.shared_ttl.snapshot(),
+            pools: self
+                .pools
+                .iter()
+                .map(|(n, p)| (n.as_str(), p.records()))
+                .collect(),
+            counters_by_kind: &self.counters_by_kind,
         }
     }
 

@@ -371,6 +371,20 @@ pub struct LeaseRecord {
     pub expires_unix_ms: u64,
 }
 
+/// What changed in a pool's records since they were last taken ([`QuantityManager::take_changes`]):
+/// each changed offer and lease as it is now, or `None` when it is gone. Applied to the
+/// records taken before ([`QuantityRecords::apply`]) it gives [`QuantityManager::records`]:
+/// a journal line costs O(change), not O(pool).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolChanges {
+    /// Changed offers by name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub offers: BTreeMap<String, Option<OfferRecord>>,
+    /// Changed leases by id.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub leases: BTreeMap<LeaseId, Option<LeaseRecord>>,
+}
+
 /// Everything the quantity kind persists.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QuantityRecords {
@@ -421,6 +435,45 @@ struct Lease {
     expires_unix_ms: u64,
 }
 
+impl QuantityRecords {
+    /// Apply changes taken after these records were (offers stay in name order, leases in
+    /// id order).
+    pub fn apply(&mut self, c: &PoolChanges) {
+        for (name, rec) in &c.offers {
+            let at = self
+                .offers
+                .binary_search_by(|o| o.spec.name.as_str().cmp(name.as_str()));
+            match (at, rec) {
+                (Ok(i), Some(r)) => self.offers[i] = r.clone(),
+                (Ok(i), None) => {
+                    self.offers.remove(i);
+                }
+                (Err(i), Some(r)) => self.offers.insert(i, r.clone()),
+                (Err(_), None) => {}
+            }
+        }
+        for (id, rec) in &c.leases {
+            match (self.leases.binary_search_by_key(id, |l| l.id), rec) {
+                (Ok(i), Some(r)) => self.leases[i] = r.clone(),
+                (Ok(i), None) => {
+                    self.leases.remove(i);
+                }
+                (Err(i), Some(r)) => self.leases.insert(i, r.clone()),
+                (Err(_), None) => {}
+            }
+        }
+    }
+}
+
+/// Offers and leases changed since the records were last taken.
+#[derive(Debug, Clone, Default)]
+struct Changed {
+    /// Everything: the manager is new since then (its records were never taken).
+    all: bool,
+    offers: BTreeSet<String>,
+    leases: BTreeSet<LeaseId>,
+}
+
 #[derive(Debug, Clone)]
 struct Waiter {
     id: LeaseId,
@@ -444,6 +497,30 @@ pub struct QuantityManager {
     refused: BTreeMap<LeaseId, String>,
     next_seq: u64,
     next_wait: u64,
+    /// What changed since the records were last taken (for journal lines).
+    changed: Changed,
+}
+
+fn offer_record(o: &Offer) -> OfferRecord {
+    OfferRecord {
+        spec: o.spec.clone(),
+        removed: o.removed,
+    }
+}
+
+fn lease_record(id: LeaseId, l: &Lease) -> LeaseRecord {
+    LeaseRecord {
+        id,
+        token: l.token.clone(),
+        holder: l.spec.holder.clone(),
+        allocations: l.allocations.clone(),
+        requirements: l.spec.requirements.clone(),
+        attributes: l.spec.attributes.clone(),
+        lease_time_ms: l.spec.lease_time.map(ms),
+        seq: l.seq,
+        first_granted_unix_ms: l.first_granted_unix_ms,
+        expires_unix_ms: l.expires_unix_ms,
+    }
 }
 
 fn ms(d: Duration) -> u64 {
@@ -500,6 +577,10 @@ impl QuantityManager {
             refused: BTreeMap::new(),
             next_seq: 1,
             next_wait: 1,
+            changed: Changed {
+                all: true,
+                ..Changed::default()
+            },
         })
     }
 
@@ -516,6 +597,7 @@ impl QuantityManager {
     pub fn upsert_offer(&mut self, now: Now, spec: OfferSpec) -> Result<Vec<Event>, QuantityError> {
         check_offer(&spec)?;
         let name = spec.name.clone();
+        self.changed.offers.insert(name.clone());
         match self.offers.get_mut(&name) {
             Some(o) => {
                 o.spec = spec;
@@ -549,6 +631,7 @@ impl QuantityManager {
             .get_mut(name)
             .ok_or_else(|| QuantityError::UnknownOffer(name.to_string()))?;
         o.removed = true;
+        self.changed.offers.insert(name.to_string());
         if o.leases.is_empty() {
             self.offers.remove(name);
         }
@@ -667,6 +750,7 @@ impl QuantityManager {
         );
         let target = (now.mono + lt).min(lease.renew_until).max(lease.expires);
         let lease = self.leases.get_mut(&id).expect("checked live");
+        self.changed.leases.insert(id);
         self.expiries.remove(&(lease.expires, id));
         lease.expires = target;
         lease.expires_unix_ms = now
@@ -781,32 +865,43 @@ impl QuantityManager {
         let mut leases: Vec<LeaseRecord> = self
             .leases
             .iter()
-            .map(|(id, l)| LeaseRecord {
-                id: *id,
-                token: l.token.clone(),
-                holder: l.spec.holder.clone(),
-                allocations: l.allocations.clone(),
-                requirements: l.spec.requirements.clone(),
-                attributes: l.spec.attributes.clone(),
-                lease_time_ms: l.spec.lease_time.map(ms),
-                seq: l.seq,
-                first_granted_unix_ms: l.first_granted_unix_ms,
-                expires_unix_ms: l.expires_unix_ms,
-            })
+            .map(|(id, l)| lease_record(*id, l))
             .collect();
         leases.sort_by_key(|l| l.id);
         QuantityRecords {
             version: RECORDS_VERSION,
-            offers: self
-                .offers
-                .values()
-                .map(|o| OfferRecord {
-                    spec: o.spec.clone(),
-                    removed: o.removed,
-                })
-                .collect(),
+            offers: self.offers.values().map(offer_record).collect(),
             leases,
         }
+    }
+
+    /// What changed since the records (or changes) were last taken, and forget it. `None`:
+    /// the manager is new since then, take its whole [`QuantityManager::records`].
+    pub fn take_changes(&mut self) -> Option<PoolChanges> {
+        let c = std::mem::take(&mut self.changed);
+        if c.all {
+            return None;
+        }
+        Some(PoolChanges {
+            offers: c
+                .offers
+                .into_iter()
+                .map(|n| {
+                    let r = self.offers.get(&n).map(offer_record);
+                    (n, r)
+                })
+                .collect(),
+            leases: c
+                .leases
+                .into_iter()
+                .map(|id| (id, self.leases.get(&id).map(|l| lease_record(id, l))))
+                .collect(),
+        })
+    }
+
+    /// Forget what changed (the whole records were just written).
+    pub fn forget_changes(&mut self) {
+        self.changed = Changed::default();
     }
 
     /// Rebuilds a manager from records at `now` (module docs for the time rules). Leases of
@@ -993,6 +1088,7 @@ impl QuantityManager {
     ) -> LeaseView {
         let seq = self.next_seq;
         self.next_seq += 1;
+        self.changed.leases.insert(id);
         for a in &allocations {
             if let Some(o) = self.offers.get_mut(&a.offer) {
                 o.allocated += u64::from(a.quantity);
@@ -1026,6 +1122,7 @@ impl QuantityManager {
 
     fn end_lease(&mut self, id: LeaseId) -> Lease {
         let lease = self.leases.remove(&id).expect("end_lease on a live lease");
+        self.changed.leases.insert(id);
         self.expiries.remove(&(lease.expires, id));
         self.refused.remove(&id);
         for a in &lease.allocations {
@@ -1034,6 +1131,7 @@ impl QuantityManager {
                 o.leases.remove(&(lease.seq, id));
                 if o.removed && o.leases.is_empty() {
                     self.offers.remove(&a.offer);
+                    self.changed.offers.insert(a.offer.clone());
                 }
             }
         }

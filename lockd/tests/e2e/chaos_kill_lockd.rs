@@ -50,6 +50,7 @@ async fn random_sigkills_never_double_grant_an_epoch_or_overlap_holders() {
                 reconnect_timeout: Duration::from_secs(10),
                 label: Some(format!("w{w}")),
                 anchor: None,
+                watchdog: None,
             };
             let mut c = LockClient::connect(&ep, opts).await.expect("connect");
             let mut mine: Option<usize> = None; // index into `seen` of the lease held

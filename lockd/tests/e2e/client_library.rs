@@ -29,6 +29,7 @@ fn opts(reconnect: Duration) -> ClientOptions {
         reconnect_timeout: reconnect,
         label: None,
         anchor: None,
+        watchdog: None,
     }
 }
 
@@ -174,4 +175,57 @@ async fn holder_reclaims_after_restart() {
     assert!(saw_reconnected);
     assert!(a.inheritable_fd().is_ok());
     assert_eq!(resource(&l.status(), "engine").state, LeaseState::Held);
+}
+
+#[tokio::test]
+async fn the_watchdog_gives_up_the_leases_of_a_stopped_lockd() {
+    use nix::sys::signal::Signal;
+    let _process = serial();
+    let d = tempfile::tempdir().unwrap();
+    let l = start_lockd(d.path(), &[]);
+    let ep: Endpoint = l.endpoint().parse().unwrap();
+    let limit = Duration::from_millis(400);
+    let mut watched = opts(Duration::from_secs(15));
+    watched.watchdog = Some(limit);
+    let mut a = LockClient::connect(&ep, watched).await.unwrap();
+    let mut b = LockClient::connect(&ep, opts(Duration::from_secs(15)))
+        .await
+        .unwrap();
+    a.acquire("engine", "a", true).await.unwrap();
+    next_matching(&mut a, |e| matches!(e, LockEvent::Granted { .. })).await;
+    b.acquire("other", "b", true).await.unwrap();
+    next_matching(&mut b, |e| matches!(e, LockEvent::Granted { .. })).await;
+    // A lockd that answers: three limits without a loss.
+    let quiet = tokio::time::timeout(3 * limit, next(&mut a)).await;
+    assert!(quiet.is_err(), "an event while lockd answers: {quiet:?}");
+
+    l.signal(Signal::SIGSTOP);
+    let t = std::time::Instant::now();
+    let lost = next_matching(&mut a, |e| matches!(e, LockEvent::Lost { .. })).await;
+    let took = t.elapsed();
+    // Without a watchdog, nothing is noticed meanwhile.
+    let b_quiet = tokio::time::timeout(Duration::from_millis(300), next(&mut b)).await;
+    l.signal(Signal::SIGCONT);
+    let LockEvent::Lost {
+        resource: res,
+        cause,
+        ..
+    } = lost
+    else {
+        unreachable!()
+    };
+    assert_eq!(res, "engine");
+    assert!(cause.contains("watchdog"), "{cause}");
+    // Last heard at most a ping period (limit/4) before the stop.
+    assert!(
+        took >= limit * 3 / 4 - Duration::from_millis(50) && took < Duration::from_secs(2),
+        "lost {took:?} after lockd stopped (limit {limit:?})"
+    );
+    assert!(b_quiet.is_err(), "b without a watchdog: {b_quiet:?}");
+    // The watched client left that session: once lockd runs again, the lease is free.
+    let st = wait_for(Duration::from_secs(5), "engine freed", || {
+        let st = l.status();
+        resource(&st, "engine").holder.is_none().then_some(st)
+    });
+    assert_eq!(resource(&st, "other").holder.as_deref(), Some("b"));
 }

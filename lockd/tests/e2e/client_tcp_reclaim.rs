@@ -30,6 +30,7 @@ async fn tcp_client_reclaims_after_restart() {
         reconnect_timeout: Duration::from_secs(15),
         label: Some("tcp".into()),
         anchor: None,
+        watchdog: None,
     };
     let mut c = LockClient::connect(&ep, opts).await.unwrap();
     c.acquire("engine", "tcp-holder", true).await.unwrap();

@@ -22,6 +22,7 @@ mod client_library;
 mod client_tcp_reclaim;
 mod core_model_proptest;
 mod corrupt_state;
+mod dead_sockets_reaped;
 mod deadlock;
 mod etcd_backend;
 mod group_commit;

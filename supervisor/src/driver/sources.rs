@@ -78,6 +78,7 @@ pub(super) async fn connect_lock(
         reconnect_timeout: args.lock_reconnect_timeout,
         label: Some(args.holder_name()),
         anchor,
+        watchdog: args.lock_watchdog,
         ..ClientOptions::default()
     };
     let mut attempt = 0u32;

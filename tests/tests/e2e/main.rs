@@ -40,6 +40,7 @@ mod kubelet_replay;
 mod lock_keeper_after_reconnect;
 mod lockd_gone;
 mod lockd_restart;
+mod lockd_stopped_watchdog;
 mod pid_namespace;
 mod rearm;
 mod revoke;

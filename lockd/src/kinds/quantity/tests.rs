@@ -965,3 +965,37 @@ proptest! {
         run_history(ops);
     }
 }
+
+#[test]
+fn a_journal_line_of_a_big_pool_carries_only_what_changed() {
+    let mut m = mgr();
+    for i in 0..1000 {
+        m.upsert_offer(at(0), offer(&format!("o{i:04}"), 1))
+            .unwrap();
+    }
+    for id in 1..=1000 {
+        grant(&mut m, at(0), id, req(1));
+    }
+    // New since the records were last taken: the whole records.
+    assert!(m.take_changes().is_none());
+    let mut written = m.records();
+    let whole = serde_json::to_vec(&written).unwrap().len();
+    // One renewal, one release, one offer withdrawn: three records, not 2,000.
+    m.renew(at(10), 7, &tok(7), None).unwrap();
+    m.release(at(10), 8, &tok(8)).unwrap();
+    m.remove_offer("o0999").unwrap();
+    let c = m.take_changes().expect("changes, not the whole pool");
+    assert_eq!(c.leases.keys().copied().collect::<Vec<_>>(), [7, 8]);
+    assert!(c.leases[&8].is_none(), "the released lease is gone");
+    assert_eq!(c.offers.keys().collect::<Vec<_>>(), ["o0999"]);
+    let line = serde_json::to_vec(&c).unwrap().len();
+    assert!(
+        line * 100 < whole,
+        "a change of 3 records took {line} bytes (the pool: {whole})"
+    );
+    // Applied to the records written before, they give the records now.
+    written.apply(&c);
+    assert_eq!(written, m.records());
+    // Taken: nothing left to take.
+    assert_eq!(m.take_changes(), Some(PoolChanges::default()));
+}

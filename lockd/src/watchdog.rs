@@ -1,0 +1,141 @@
+//! The client's watchdog on lockd itself (pure: time is an input).
+//!
+//! A lease is only as safe as the lockd that holds it. When lockd runs on etcd
+//! (`--backend etcd`), a lockd that is stopped, frozen or killed stops renewing its etcd
+//! leases, and another node is granted once they expire, whether or not this node's holder
+//! is still running. lockd's own self-fence cannot help then (it is the one that stopped),
+//! so the holder's side watches lockd: with [`crate::client::ClientOptions::watchdog`] set,
+//! the client pings lockd every quarter of the limit and, when nothing at all has come from
+//! lockd for the limit while it holds leases, reports them lost (the supervisor fences its
+//! engine on that). The limit must leave the fence time before the etcd lease can expire:
+//! `docs/ETCD.md` ("The supervisor's watchdog") has the arithmetic.
+//!
+//! Connecting is not a sign of life (the kernel accepts a connection for a stopped lockd);
+//! only a line from lockd is.
+
+use std::time::{Duration, Instant};
+
+/// What the watchdog asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Due {
+    /// Send a ping (something lockd must answer).
+    Ping,
+    /// Nothing came from lockd for the limit: the leases held must be given up as lost.
+    Silent,
+}
+
+/// Silence detector over lockd's lines.
+#[derive(Debug, Clone)]
+pub struct Watchdog {
+    limit: Duration,
+    ping_every: Duration,
+    heard: Instant,
+    next_ping: Instant,
+}
+
+impl Watchdog {
+    /// Silence longer than `limit` is reported; started at `now` (counts as heard).
+    pub fn new(limit: Duration, now: Instant) -> Watchdog {
+        let ping_every = (limit / 4).max(Duration::from_millis(1));
+        Watchdog {
+            limit,
+            ping_every,
+            heard: now,
+            next_ping: now + ping_every,
+        }
+    }
+
+    /// The limit.
+    pub fn limit(&self) -> Duration {
+        self.limit
+    }
+
+    /// A line came from lockd at `now`.
+    pub fn heard(&mut self, now: Instant) {
+        self.heard = self.heard.max(now);
+    }
+
+    /// When lockd will have been silent for the limit.
+    pub fn silent_at(&self) -> Instant {
+        self.heard + self.limit
+    }
+
+    /// When [`Watchdog::poll`] has something to say next.
+    pub fn next_wakeup(&self) -> Instant {
+        self.next_ping.min(self.silent_at())
+    }
+
+    /// What is due at `now`: silence first (a ping cannot help any more), then a ping.
+    pub fn poll(&mut self, now: Instant) -> Option<Due> {
+        if now >= self.silent_at() {
+            return Some(Due::Silent);
+        }
+        if now >= self.next_ping {
+            self.next_ping = now + self.ping_every;
+            return Some(Due::Ping);
+        }
+        None
+    }
+
+    /// After a [`Due::Silent`] was acted on: count from `now` again.
+    pub fn rearm(&mut self, now: Instant) {
+        self.heard = now;
+        self.next_ping = now + self.ping_every;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn pings_every_quarter_and_stays_quiet_while_lockd_answers() {
+        let t0 = Instant::now();
+        let mut w = Watchdog::new(400 * MS, t0);
+        assert_eq!(w.next_wakeup(), t0 + 100 * MS);
+        assert_eq!(w.poll(t0 + 99 * MS), None);
+        assert_eq!(w.poll(t0 + 100 * MS), Some(Due::Ping));
+        assert_eq!(w.poll(t0 + 100 * MS), None, "one ping per period");
+        w.heard(t0 + 101 * MS); // pong
+        for k in 2..40u32 {
+            let now = t0 + 100 * k * MS;
+            assert_eq!(w.poll(now), Some(Due::Ping), "period {k}");
+            w.heard(now + MS);
+        }
+    }
+
+    #[test]
+    fn silence_for_the_limit_is_reported_once_then_counted_again() {
+        let t0 = Instant::now();
+        let mut w = Watchdog::new(400 * MS, t0);
+        w.heard(t0 + 50 * MS);
+        assert_eq!(w.silent_at(), t0 + 450 * MS);
+        assert_eq!(w.poll(t0 + 100 * MS), Some(Due::Ping));
+        assert_eq!(w.poll(t0 + 200 * MS), Some(Due::Ping));
+        assert_eq!(w.poll(t0 + 449 * MS), Some(Due::Ping));
+        assert_eq!(w.poll(t0 + 450 * MS), Some(Due::Silent));
+        assert_eq!(w.poll(t0 + 460 * MS), Some(Due::Silent), "until acted on");
+        w.rearm(t0 + 460 * MS);
+        assert_eq!(w.poll(t0 + 461 * MS), None);
+        assert_eq!(w.silent_at(), t0 + 860 * MS);
+    }
+
+    #[test]
+    fn a_late_line_never_moves_the_clock_back() {
+        let t0 = Instant::now();
+        let mut w = Watchdog::new(400 * MS, t0);
+        w.heard(t0 + 300 * MS);
+        w.heard(t0 + 200 * MS);
+        assert_eq!(w.silent_at(), t0 + 700 * MS);
+    }
+
+    #[test]
+    fn a_tiny_limit_still_pings_at_a_bounded_rate() {
+        let t0 = Instant::now();
+        let w = Watchdog::new(Duration::from_micros(1), t0);
+        assert_eq!(w.next_wakeup(), t0 + Duration::from_micros(1));
+        assert_eq!(w.ping_every, MS);
+    }
+}
