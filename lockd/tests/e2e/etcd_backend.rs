@@ -731,3 +731,72 @@ fn etcd_leader_killed_while_a_lease_is_held() {
         (t_granted - t_holder_done).as_secs_f64() * 1e3
     );
 }
+
+/// lockd A SIGSTOPped while its holder lives: A's own fence cannot run, the holder's client
+/// watchdog (`ClientOptions::watchdog`, the supervisor's `--lock-watchdog`) reports the lease
+/// lost, and that happens before B is granted, with at least the kill time to spare.
+#[tokio::test]
+async fn stopped_lockd_holder_fenced_by_its_watchdog_before_b_is_granted() {
+    let _process = serial();
+    let d = tempfile::tempdir().unwrap();
+    let Some(etcd) = etcd_or_skip("etcd_backend::stopped_lockd_watchdog", d.path()) else {
+        return;
+    };
+    let a = start(d.path(), "A", &etcd.client_url, FENCE_FLAGS, &[]);
+    let b = start(d.path(), "B", &etcd.client_url, FENCE_FLAGS, &[]);
+    let ep: Endpoint = format!("unix:{}", a.sock.display()).parse().unwrap();
+    let limit = Duration::from_secs(1);
+    let mut holder = LockClient::connect(
+        &ep,
+        ClientOptions {
+            watchdog: Some(limit),
+            ..ClientOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    holder.acquire("engine", "ha", true).await.unwrap();
+    let ev = tokio::time::timeout(Duration::from_secs(5), holder.next_event())
+        .await
+        .unwrap();
+    let Some(LockEvent::Granted { epoch: ea, .. }) = ev else {
+        panic!("{ev:?}");
+    };
+    let mut w = Line::connect(&b.sock).unwrap();
+    w.acquire("engine", "hb");
+    w.recv_until("queued", Duration::from_secs(5)).unwrap();
+    let granted = arrival(w, "granted", Duration::from_secs(20));
+    tokio::time::sleep(Duration::from_millis(500 + rand_ms(500))).await;
+    let t_stop = Instant::now();
+    assert!(a.proc.signal(Signal::SIGSTOP));
+    let t_lost = loop {
+        let ev = tokio::time::timeout(Duration::from_secs(10), holder.next_event())
+            .await
+            .expect("the watchdog reports within 10 s");
+        match ev {
+            Some(LockEvent::Lost { .. }) => break Instant::now(),
+            Some(_) => continue,
+            None => panic!("client closed"),
+        }
+    };
+    let (t_granted, g, _w) = granted
+        .recv_timeout(Duration::from_secs(20))
+        .expect("B granted once A's etcd lease expired");
+    let _ = a.proc.signal(Signal::SIGCONT);
+    let eb = g["epoch"].as_u64().unwrap();
+    eprintln!(
+        "lockd A stopped: holder's watchdog reported lost {:.0} ms after the stop; B granted {:.0} ms after that (epoch {ea} -> {eb})",
+        (t_lost - t_stop).as_secs_f64() * 1e3,
+        (t_granted.saturating_duration_since(t_lost)).as_secs_f64() * 1e3
+    );
+    assert!(
+        t_lost < t_granted,
+        "B granted before the holder's watchdog fired"
+    );
+    assert!(
+        t_granted - t_lost >= Duration::from_millis(KILL_MS),
+        "only {:?} between the watchdog and B's grant",
+        t_granted - t_lost
+    );
+    assert!(eb > ea);
+}
