@@ -963,7 +963,12 @@ impl Task {
             | Event::Status(_)
             | Event::Watching {}
             | Event::Notice(_)
-            | Event::Pong {} => {}
+            | Event::Pong { valid_ms: None } => {}
+            Event::Pong { valid_ms: Some(v) } => {
+                if let Some(w) = self.watchdog.as_mut() {
+                    w.vouch(std::time::Instant::now(), Duration::from_millis(v));
+                }
+            }
             // Version-2 events answer version-2 requests, which this client does not send.
             _ => {}
         }

@@ -733,7 +733,7 @@ impl Conn {
                     Some(Reply::One(tx)) => {
                         let _ = tx.send(Ok(ev));
                     }
-                    Some(Reply::UntilPong(all, tx)) if matches!(ev, Event::Pong {}) => {
+                    Some(Reply::UntilPong(all, tx)) if matches!(ev, Event::Pong { .. }) => {
                         let _ = tx.send(Ok(all));
                     }
                     Some(Reply::UntilPong(mut all, tx)) => {
@@ -863,7 +863,7 @@ impl LeaseClient {
     /// `ping` → `pong`.
     pub async fn ping(&self) -> Result<(), LeaseError> {
         match self.link.call(&Request::Ping).await? {
-            Event::Pong {} => Ok(()),
+            Event::Pong { .. } => Ok(()),
             ev => Err(unexpected("pong", &ev)),
         }
     }

@@ -1285,7 +1285,13 @@ pub enum Event {
     /// A lease change (watchers only).
     Notice(Notice),
     /// Answer to ping.
-    Pong {},
+    Pong {
+        /// On the etcd backend, once the session has an etcd lease: for how many more
+        /// milliseconds lockd vouches for it (its self-fence deadline minus now). A holder's
+        /// watchdog gives up no later than that after this answer arrived (`docs/ETCD.md`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        valid_ms: Option<u64>,
+    },
     /// Answer to anchor: the session now has `anchors` open anchors.
     Anchored {
         /// Open anchors of this session, the new one included.
@@ -1930,7 +1936,10 @@ mod tests {
                 lease: LeaseFields::default(),
             },
             Event::Watching {},
-            Event::Pong {},
+            Event::Pong { valid_ms: None },
+            Event::Pong {
+                valid_ms: Some(2900),
+            },
             Event::error(ErrorCode::NotHolder, "x", Some("r")),
             Event::Status(Box::new(StatusReport {
                 resources: vec![],
@@ -2015,7 +2024,13 @@ mod tests {
                 },
                 r#"{"event":"revoked","resource":"engine","epoch":5,"reason":"drain"}"#,
             ),
-            (Event::Pong {}, r#"{"event":"pong"}"#),
+            (Event::Pong { valid_ms: None }, r#"{"event":"pong"}"#),
+            (
+                Event::Pong {
+                    valid_ms: Some(2900),
+                },
+                r#"{"event":"pong","valid_ms":2900}"#,
+            ),
             (
                 Event::error(ErrorCode::NotHolder, "x", Some("engine")),
                 r#"{"event":"error","code":"not_holder","message":"x","resource":"engine"}"#,

@@ -11,7 +11,10 @@
 //! `docs/ETCD.md` ("The supervisor's watchdog") has the arithmetic.
 //!
 //! Connecting is not a sign of life (the kernel accepts a connection for a stopped lockd);
-//! only a line from lockd is.
+//! only a line from lockd is. On the etcd backend each `pong` also says for how long lockd
+//! vouches for the lease (`valid_ms`: its self-fence deadline minus now); the watchdog then
+//! gives up at that time after the pong arrived if it comes first, so that a lockd frozen
+//! just before its own fence deadline is covered as well.
 
 use std::time::{Duration, Instant};
 
@@ -31,6 +34,8 @@ pub struct Watchdog {
     ping_every: Duration,
     heard: Instant,
     next_ping: Instant,
+    /// Until when lockd vouched for the lease in its last `pong` (etcd backend).
+    vouched: Option<Instant>,
 }
 
 impl Watchdog {
@@ -42,6 +47,7 @@ impl Watchdog {
             ping_every,
             heard: now,
             next_ping: now + ping_every,
+            vouched: None,
         }
     }
 
@@ -55,9 +61,21 @@ impl Watchdog {
         self.heard = self.heard.max(now);
     }
 
-    /// When lockd will have been silent for the limit.
+    /// A `pong` arrived at `now` saying lockd vouches for the lease for `valid` more.
+    pub fn vouch(&mut self, now: Instant, valid: Duration) {
+        self.heard(now);
+        self.vouched = Some(now + valid);
+        // Ask again well before the vouch runs out, so that a healthy lockd never trips a
+        // watchdog whose own limit is long.
+        self.next_ping = self
+            .next_ping
+            .min(now + (valid / 2).max(Duration::from_millis(1)));
+    }
+
+    /// When lockd will have been silent for the limit, or its last vouch runs out.
     pub fn silent_at(&self) -> Instant {
-        self.heard + self.limit
+        let silent = self.heard + self.limit;
+        self.vouched.map_or(silent, |v| v.min(silent))
     }
 
     /// When [`Watchdog::poll`] has something to say next.
@@ -81,6 +99,7 @@ impl Watchdog {
     pub fn rearm(&mut self, now: Instant) {
         self.heard = now;
         self.next_ping = now + self.ping_every;
+        self.vouched = None;
     }
 }
 
@@ -129,6 +148,41 @@ mod tests {
         w.heard(t0 + 300 * MS);
         w.heard(t0 + 200 * MS);
         assert_eq!(w.silent_at(), t0 + 700 * MS);
+    }
+
+    #[test]
+    fn a_vouch_shorter_than_the_limit_comes_first_and_the_latest_vouch_counts() {
+        let t0 = Instant::now();
+        let mut w = Watchdog::new(2900 * MS, t0);
+        // lockd answers, vouching for its lease: its fence deadline is 4,350 ms away.
+        w.vouch(t0 + 10 * MS, 4350 * MS);
+        assert_eq!(w.silent_at(), t0 + 2910 * MS, "the limit comes first");
+        // Partitioned from etcd, lockd's deadline stops moving: its vouches shrink.
+        w.vouch(t0 + 1500 * MS, 1000 * MS);
+        assert_eq!(w.silent_at(), t0 + 2500 * MS, "the vouch comes first");
+        // Then lockd freezes: nothing more arrives, the vouch runs out before the limit.
+        assert_eq!(w.poll(t0 + 2499 * MS), Some(Due::Ping));
+        assert_eq!(w.poll(t0 + 2500 * MS), Some(Due::Silent));
+        // Other lines are signs of life but vouch for nothing more.
+        w.rearm(t0 + 2600 * MS);
+        w.vouch(t0 + 2600 * MS, 100 * MS);
+        w.heard(t0 + 2650 * MS);
+        assert_eq!(w.silent_at(), t0 + 2700 * MS);
+    }
+
+    #[test]
+    fn a_healthy_lockd_is_asked_again_before_its_vouch_runs_out() {
+        let t0 = Instant::now();
+        let mut w = Watchdog::new(10_000 * MS, t0);
+        let mut now = t0;
+        for _ in 0..50 {
+            // Each pong vouches for 1.3 s (a short TTL); pings come every 650 ms, not 2.5 s.
+            w.vouch(now, 1300 * MS);
+            let next = w.next_wakeup();
+            assert!(next <= now + 650 * MS, "next wakeup {:?} after", next - now);
+            now = next;
+            assert_eq!(w.poll(now), Some(Due::Ping));
+        }
     }
 
     #[test]

@@ -697,7 +697,7 @@ impl Core {
                 self.withdraw(now, s, pool, name)
             }
             Request::Watch => self.watch(s),
-            Request::Ping => self.send(s, Event::Pong {}),
+            Request::Ping => self.send(s, Event::Pong { valid_ms: None }),
             Request::Anchor => self.anchor(s),
             Request::Start { resource } => self.start(s, resource),
         }

@@ -244,7 +244,10 @@ mod tests {
             "requests of unknown sessions are dropped"
         );
         h.connect(1, "unix");
-        assert_eq!(H::to(&h.req(1, Request::Ping), 1), vec![Event::Pong {}]);
+        assert_eq!(
+            H::to(&h.req(1, Request::Ping), 1),
+            vec![Event::Pong { valid_ms: None }]
+        );
         h.req(1, acq("e", "a", true));
         let out = h.req(1, Request::Status { sessions: None });
         let Event::Status(st) = &H::to(&out, 1)[0] else {

@@ -593,6 +593,8 @@ enum Msg {
 struct SessionLease {
     id: i64,
     keeper: JoinHandle<()>,
+    /// The fence's deadline as of its last renewal (set by the keepalive task).
+    deadline: tokio::sync::watch::Receiver<Option<Instant>>,
 }
 
 struct Held {
@@ -892,7 +894,15 @@ impl Session {
             Err(e) => return self.send(error_line(e.code().as_str(), e.to_string(), None)),
         };
         match req {
-            Request::Ping => self.send(Event::Pong {}.encode()),
+            Request::Ping => {
+                // What the fence vouches for: a holder's watchdog gives up no later than this
+                // after the pong arrives (docs/ETCD.md, "The supervisor's watchdog").
+                let valid_ms = self.lease.as_ref().and_then(|l| *l.deadline.borrow()).map(|d| {
+                    u64::try_from(d.saturating_duration_since(Instant::now()).as_millis())
+                        .unwrap_or(u64::MAX)
+                });
+                self.send(Event::Pong { valid_ms }.encode())
+            }
             Request::Acquire {
                 resource,
                 holder,
@@ -1015,6 +1025,7 @@ impl Session {
             ttl_secs = g.ttl(),
             "etcd lease granted"
         );
+        let (deadline_tx, deadline) = tokio::sync::watch::channel(None);
         let keeper = tokio::spawn(keep_alive(
             self.ctx.clone(),
             self.id,
@@ -1022,8 +1033,13 @@ impl Session {
             sent_at,
             g.ttl(),
             self.tx.clone(),
+            deadline_tx,
         ));
-        self.lease = Some(SessionLease { id, keeper });
+        self.lease = Some(SessionLease {
+            id,
+            keeper,
+            deadline,
+        });
         Ok(id)
     }
 
@@ -1603,6 +1619,7 @@ async fn keep_alive(
     granted_sent_at: Instant,
     ttl_secs: i64,
     tx: mpsc::UnboundedSender<Msg>,
+    deadline_tx: tokio::sync::watch::Sender<Option<Instant>>,
 ) {
     let mut fence = Fence::new(ctx.cfg.margin);
     if ctx.cfg.planted_bug_no_margin {
@@ -1620,6 +1637,7 @@ async fn keep_alive(
     let report = |out: Option<FenceOutput>| -> Option<String> {
         match out? {
             FenceOutput::Renewed { deadline } => {
+                deadline_tx.send_replace(Some(deadline));
                 debug!(session, lease = %lease_hex, deadline_in_ms = deadline.saturating_duration_since(Instant::now()).as_millis() as u64, "fence: renewed");
                 None
             }

@@ -800,3 +800,77 @@ async fn stopped_lockd_holder_fenced_by_its_watchdog_before_b_is_granted() {
     );
     assert!(eb > ea);
 }
+
+/// The case lockd's own fence cannot cover and a plain silence limit covers too late: A is
+/// cut off from etcd, then frozen before its fence deadline. The holder's watchdog has a
+/// limit far beyond the TTL (10 s), so only the lease lockd vouched for in its last `pong`
+/// (`valid_ms`) can make it give up in time: it must, before B's grant, with the kill time to
+/// spare. (Without the vouch, the watchdog would fire 10 s after the freeze, long after B.)
+#[tokio::test]
+async fn partitioned_then_frozen_lockd_holder_fenced_by_the_vouch_before_b_is_granted() {
+    let _process = serial();
+    let d = tempfile::tempdir().unwrap();
+    let Some(etcd) = etcd_or_skip("etcd_backend::partitioned_then_frozen", d.path()) else {
+        return;
+    };
+    let proxy = Proxy::start(([127, 0, 0, 1], etcd.client_port).into());
+    let a = start(d.path(), "A", &proxy.url(), FENCE_FLAGS, &[]);
+    let b = start(d.path(), "B", &etcd.client_url, FENCE_FLAGS, &[]);
+    let ep: Endpoint = format!("unix:{}", a.sock.display()).parse().unwrap();
+    let mut holder = LockClient::connect(
+        &ep,
+        ClientOptions {
+            watchdog: Some(Duration::from_secs(10)),
+            ..ClientOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    holder.acquire("engine", "ha", true).await.unwrap();
+    let ev = tokio::time::timeout(Duration::from_secs(5), holder.next_event())
+        .await
+        .unwrap();
+    let Some(LockEvent::Granted { epoch: ea, .. }) = ev else {
+        panic!("{ev:?}");
+    };
+    let mut w = Line::connect(&b.sock).unwrap();
+    w.acquire("engine", "hb");
+    w.recv_until("queued", Duration::from_secs(5)).unwrap();
+    let granted = arrival(w, "granted", Duration::from_secs(20));
+    // Past the first ping after the acquire (10 s / 4), so that a pong has vouched.
+    tokio::time::sleep(Duration::from_millis(3000 + rand_ms(500))).await;
+    proxy.blackhole();
+    tokio::time::sleep(Duration::from_millis(rand_ms(300))).await;
+    let t_stop = Instant::now();
+    assert!(a.proc.signal(Signal::SIGSTOP));
+    let t_lost = loop {
+        let ev = tokio::time::timeout(Duration::from_secs(20), holder.next_event())
+            .await
+            .expect("the watchdog reports within 20 s");
+        match ev {
+            Some(LockEvent::Lost { .. }) => break Instant::now(),
+            Some(_) => continue,
+            None => panic!("client closed"),
+        }
+    };
+    let (t_granted, g, _w) = granted
+        .recv_timeout(Duration::from_secs(20))
+        .expect("B granted once A's etcd lease expired");
+    let _ = a.proc.signal(Signal::SIGCONT);
+    let eb = g["epoch"].as_u64().unwrap();
+    eprintln!(
+        "lockd A cut off then frozen: holder's watchdog (limit 10 s) reported lost {:.0} ms after the freeze; B granted {:.0} ms after that (epoch {ea} -> {eb})",
+        (t_lost - t_stop).as_secs_f64() * 1e3,
+        (t_granted.saturating_duration_since(t_lost)).as_secs_f64() * 1e3
+    );
+    assert!(
+        t_lost < t_granted,
+        "B granted before the holder's watchdog fired"
+    );
+    assert!(
+        t_granted - t_lost >= Duration::from_millis(KILL_MS),
+        "only {:?} between the watchdog and B's grant",
+        t_granted - t_lost
+    );
+    assert!(eb > ea);
+}
