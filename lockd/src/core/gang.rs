@@ -215,6 +215,8 @@ impl Core {
                 members.push(GangMember {
                     resource: m.clone(),
                     epoch,
+                    version: None,
+                    lease_id: None,
                 });
                 self.reserve(now, m, g.reserve_ms);
                 self.granted_notice(now, m, g.session, g.holder.clone(), epoch, handoff_from);
@@ -229,6 +231,8 @@ impl Core {
                 holder: g.holder,
                 token: g.token,
                 members,
+                kind: None,
+                expires_at_unix_ms: None,
             },
         );
     }
@@ -305,6 +309,10 @@ impl Core {
                 break;
             }
             self.gang_deadlines.remove(&(d, id));
+            if self.kgangs.contains_key(&id) {
+                self.kgang_cancel(now, id);
+                continue;
+            }
             let s = self.gangs.get(&id).map(|g| g.session);
             self.gang_end(now, id, s);
         }
