@@ -922,6 +922,44 @@ mod tests {
     }
 
     #[test]
+    fn a_bound_shared_gang_is_resumed_whole_after_a_restart_or_ends_whole() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        let (gid, token, _, _) =
+            granted(&h.req(1, kgang("rd", "eng", &["a", "b"], None, true)), 1).unwrap();
+        let st = h.persisted.clone().unwrap();
+        // Resumed by the gang id: every member, reclaimed.
+        let mut h2 = H::with_state(st.clone(), None);
+        h2.connect(2, "unix");
+        let out = h2.req(
+            2,
+            Request::Resume {
+                lease_id: gid,
+                token: token.clone(),
+            },
+        );
+        let back: Vec<bool> = H::to(&out, 2)
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::Granted { reclaimed, .. } => Some(reclaimed),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(back, vec![true, true]);
+        h2.ms = W;
+        h2.step(Input::Tick);
+        assert_eq!(h2.lease(2, gid + 1).state, "held");
+        // Not resumed within the window: it ends whole.
+        let mut h3 = H::with_state(st, None);
+        h3.connect(2, "unix");
+        h3.ms = W;
+        h3.step(Input::Tick);
+        assert_eq!(h3.lease(2, gid).state, "expired");
+        assert_eq!(h3.lease(2, gid + 1).state, "expired");
+        assert!(h3.core.kgangs.is_empty());
+    }
+
+    #[test]
     fn a_waiting_gang_times_out_and_hands_its_reservations_on() {
         let mut h = H::new();
         for s in 1..=3 {
