@@ -19,9 +19,26 @@
 //! `deadlock`, counted apart (`counters.deadlock_breaks`): its holder is told to let go, as
 //! with any revoke — the lease moves only once its holder's session has ended.
 //!
-//! Which waits are in the graph: the version-1 exclusive leases and gangs (whose holders are
-//! sessions). TTL and quantity leases are not bound to a session; shared-kind leases are not
-//! in the graph yet.
+//! Which waits are in the graph: the version-1 exclusive leases and gangs, and the
+//! shared-kind leases. A shared-kind resource has a node too, with an edge `w -> r` from the
+//! session of every request in its queue (reader or writer, connection-bound or timed: the
+//! session waits either way) and `r -> h` to the session of every connection-bound holder
+//! (readers, or the writer): a writer waits for every current reader, a reader behind a
+//! waiting writer waits (through it) for the holders too. Requests parked for a
+//! `min_version` wait for a commit, not for a holder: not in the graph. Its holders and
+//! queue are compared with the graph's ([`SharedSynced`]) at the end of every step that
+//! noted one of its leases, O(holders + waiters) of that resource.
+//!
+//! Not in the graph, and why: **TTL leases** (and timed shared leases as holders) are bound
+//! to no session — they end by themselves when not renewed, whoever renewed them, so a
+//! cycle through one is not a deadlock (it resolves when the TTL runs out) and attributing
+//! it to the session that acquired it would report cycles that end on their own.
+//! **Quantity leases** are always timed (a quantity acquire needs its lease time: `ttl_ms`
+//! or the pool's), so the same holds. **Waiting shared gangs** wait outside the shared
+//! table's queues (for every member to admit a reader at once) and are not in the graph: a
+//! waiting gang holds none of its members, so gangs never close a cycle among themselves,
+//! but a session that holds a lease while its shared gang waits is not seen (TTL gangs and
+//! connection-bound exclusive gangs: see above — the latter are in the graph).
 //!
 //! **Only edges that can lie on a cycle are kept**: `w -> r` only while `w` also holds
 //! something (on a cycle, every session is waited for, so holds a resource), and `r -> h`
@@ -58,6 +75,20 @@ pub(super) struct Synced {
     edge_to: Option<SessionId>,
     /// Edges `w -> r` the graph has (waiters that hold something).
     live_in: u32,
+}
+
+/// What the graph holds for one shared-kind resource (in [`GraphSync`], present while the
+/// resource has a connection-bound holder or a waiter in the graph).
+#[derive(Debug, Clone, Default)]
+pub(super) struct SharedSynced {
+    /// Its node id while it has an edge (0: none).
+    node: u64,
+    /// Its connection-bound holders' sessions, sorted (counted in the sessions' holds).
+    holders: Vec<SessionId>,
+    /// The sessions with an edge `w -> r`, sorted.
+    waits: Vec<SessionId>,
+    /// The sessions `r -> h` points to (its holders while `waits` is not empty), sorted.
+    to: Vec<SessionId>,
 }
 
 /// Resources touched by a step: their names, in buffers reused from step to step (a
@@ -113,6 +144,24 @@ pub(super) struct GraphSync {
     /// no cycle is reported through an edge about to go).
     removals: Vec<(u64, u64)>,
     additions: Vec<(u64, u64)>,
+    /// Shared-kind resources by name, as the graph has them.
+    shared: BTreeMap<String, SharedSynced>,
+    /// Shared-kind resources whose leases changed in this step (names, maybe repeated).
+    pub shared_touched: Vec<String>,
+}
+
+/// `a` and `b` sorted: (in `a` only, in `b` only).
+fn diff(a: &[SessionId], b: &[SessionId]) -> (Vec<SessionId>, Vec<SessionId>) {
+    (
+        a.iter()
+            .filter(|x| b.binary_search(x).is_err())
+            .copied()
+            .collect(),
+        b.iter()
+            .filter(|x| a.binary_search(x).is_err())
+            .copied()
+            .collect(),
+    )
 }
 
 /// Counts one held resource more (`up`) or less for `s`; true when the count went from or
@@ -141,7 +190,7 @@ impl Core {
     /// End of step: bring the wait-for graph up to date with the touched resources; report
     /// (and, if configured, break) every cycle that appeared.
     pub(super) fn deadlock_pass(&mut self, now: Now) {
-        if self.table.touched.is_empty() {
+        if self.table.touched.is_empty() && self.graph.shared_touched.is_empty() {
             return;
         }
         let mut touched = std::mem::take(&mut self.table.touched);
@@ -180,6 +229,11 @@ impl Core {
                 }
                 sy.holder = holder;
             }
+        }
+        // Shared-kind resources: their holders count too (before the sessions whose count
+        // flipped are looked at), and their edges are brought in line.
+        if !self.graph.shared_touched.is_empty() {
+            self.sync_shared();
         }
         // The `w -> r` edges: of every queue change, and of every session that started or
         // stopped holding something.
@@ -293,6 +347,104 @@ impl Core {
         g.recheck.push(r.to_string());
     }
 
+    /// Brings the graph in line with every shared-kind resource touched in this step: its
+    /// connection-bound holders (counted as holds of their sessions), `w -> r` from the
+    /// session of every queued request, and `r -> h` to every such holder while `r` has a
+    /// waiter. Edits are queued with the pass's (removals before additions).
+    fn sync_shared(&mut self) {
+        let mut names = std::mem::take(&mut self.graph.shared_touched);
+        names.sort_unstable();
+        names.dedup();
+        for r in &names {
+            let session_of = |id: &u64| {
+                self.kl.get(id).and_then(|l| {
+                    l.session
+                        .filter(|_| l.reclaim_deadline.is_none())
+                        .map(|s| (l, s))
+                })
+            };
+            let mut holders: Vec<SessionId> = self
+                .shared
+                .holders(r)
+                .iter()
+                .filter_map(|(id, _)| session_of(id).filter(|(l, _)| l.bound).map(|(_, s)| s))
+                .collect();
+            holders.sort_unstable();
+            holders.dedup();
+            let mut waits: Vec<SessionId> = self
+                .shared
+                .waiters(r)
+                .0
+                .iter()
+                .filter_map(|id| session_of(id).map(|(_, s)| s))
+                .collect();
+            waits.sort_unstable();
+            waits.dedup();
+            let g = &mut self.graph;
+            let sy = g.shared.entry(r.clone()).or_default();
+            #[cfg(test)]
+            if self.planted.stale_wait_edges {
+                // The planted bug: a waiter that left keeps its edge.
+                for w in &sy.waits {
+                    if waits.binary_search(w).is_err() {
+                        waits.push(*w);
+                    }
+                }
+                waits.sort_unstable();
+            }
+            let to = if waits.is_empty() {
+                Vec::new()
+            } else {
+                holders.clone()
+            };
+            let (gone, new) = diff(&sy.holders, &holders);
+            for h in gone {
+                if bump(&mut g.held, h, false) {
+                    g.flipped.push(h);
+                }
+            }
+            for h in new {
+                if bump(&mut g.held, h, true) {
+                    g.flipped.push(h);
+                }
+            }
+            if sy.node == 0 && (!waits.is_empty() || !to.is_empty()) {
+                g.next_res_node += 1;
+                sy.node = RESOURCE_BIT | g.next_res_node;
+                g.res_of_node.insert(sy.node, r.clone());
+            }
+            let (gone, new) = diff(&sy.waits, &waits);
+            g.removals.extend(gone.into_iter().map(|w| (w, sy.node)));
+            g.additions.extend(new.into_iter().map(|w| (w, sy.node)));
+            let (gone, new) = diff(&sy.to, &to);
+            g.removals.extend(gone.into_iter().map(|h| (sy.node, h)));
+            g.additions.extend(new.into_iter().map(|h| (sy.node, h)));
+            sy.holders = holders;
+            sy.waits = waits;
+            sy.to = to;
+            if sy.waits.is_empty() && sy.to.is_empty() && sy.node != 0 {
+                g.res_of_node.remove(&sy.node);
+                sy.node = 0;
+            }
+            if sy.node == 0 && sy.holders.is_empty() {
+                g.shared.remove(r);
+            }
+        }
+        names.clear();
+        self.graph.shared_touched = names;
+    }
+
+    /// The youngest connection-bound holder lease of shared-kind resource `r` (the highest
+    /// lease id), for a deadlock report.
+    fn shared_youngest(&self, r: &str) -> Option<u64> {
+        self.shared
+            .holders(r)
+            .iter()
+            .map(|(id, _)| *id)
+            .filter(|id| self.kl.get(id).is_some_and(|l| l.bound))
+            .max()
+    }
+
     /// Brings the edge `r -> h` in line with the table: wanted while `r` has a holder and a
     /// kept `w -> r` edge. Forgets `r`'s node once it has no edge.
     fn sync_hold(&mut self, r: &str) {
@@ -349,7 +501,7 @@ impl Core {
             .iter()
             .filter_map(|r| match self.table.resources.get(r).map(|x| &x.lease) {
                 Some(LeaseState::Held(l)) => Some((r.clone(), l.lease_id)),
-                _ => None,
+                _ => self.shared_youngest(r).map(|id| (r.clone(), id)),
             })
             .collect();
         self.counters.deadlocks += 1;
@@ -384,7 +536,15 @@ impl Core {
         );
         if self.cfg.break_deadlocks {
             // The youngest lease the cycle waits for: the highest lease id.
-            if let Some((r, _)) = res.iter().max_by_key(|x| x.1).cloned() {
+            if let Some((r, id)) = res.iter().max_by_key(|x| x.1).cloned() {
+                if let Some(l) = self.kl.get(&id).filter(|l| l.resource == r) {
+                    // A connection-bound shared-kind lease: marked revoked, its holder told.
+                    if l.revoked.is_none() {
+                        self.shared_revoke(now, id, "lockd".into(), "deadlock".into());
+                        self.counters.deadlock_breaks += 1;
+                    }
+                    return;
+                }
                 // A lease revoked already (by an operator, or an earlier break) is not
                 // revoked again: its holder was told and the cycle ends when it lets go.
                 let fresh = matches!(
@@ -572,6 +732,97 @@ mod tests {
         // The lease moves once its holder lets go: then nobody waits in a cycle.
         let out = h.step(Input::Disconnect { session: 3 });
         assert!(H::granted(&out, 2).is_some());
+        assert!(h.st().deadlocks.is_empty());
+    }
+
+    /// Session 1 holds `x`, 3 holds `y` (version 1), 2 reads `s` (shared kind, bound); then
+    /// 1 waits to write `s` (for the reader 2), 2 waits for `y` (3) and, if `close`, 3 waits
+    /// for `x` (1): a 3-cycle through a shared and two exclusive leases.
+    fn mixed_ring(h: &mut H, close: bool) -> Vec<Output> {
+        h.connect(1000, "unix");
+        h.req(1000, Request::Watch);
+        for s in 1..=3 {
+            h.connect(s, "unix");
+        }
+        h.req(1, acq("x", "h1", true));
+        h.req(3, acq("y", "h3", true));
+        assert!(H::g(&h.req(2, acq_shared("s", "h2", true, None)), 2).is_some());
+        let out = h.req(1, acq_shared("s", "h1", false, None));
+        assert!(matches!(&H::to(&out, 1)[..], [Event::Queued { .. }]));
+        let out = h.req(2, acq("y", "h2", true));
+        if !close {
+            return out;
+        }
+        h.req(3, acq("x", "h3", true))
+    }
+
+    #[test]
+    fn a_three_cycle_through_shared_and_exclusive_leases_is_found_and_broken() {
+        let mut h = H::with_cfg(PersistedState::default(), None, 0, |c| {
+            c.break_deadlocks = true
+        });
+        let out = mixed_ring(&mut h, true);
+        let n = deadlock_notices(&out);
+        assert_eq!(n.len(), 1, "{out:?}");
+        assert!(["x", "y", "s"].iter().all(|r| n[0].contains(r)), "{}", n[0]);
+        // The youngest lease the cycle waits for is the reader's (lease 3): revoked, its
+        // holder told; the cycle lasts until it lets go.
+        assert!(
+            H::to(&out, 2)
+                .iter()
+                .any(|e| matches!(e, Event::Revoked { resource, reason, .. }
+                if resource == "s" && reason == "deadlock")),
+            "{out:?}"
+        );
+        let st = h.st();
+        let mut sessions = st.deadlocks[0].sessions.clone();
+        sessions.sort_unstable();
+        assert_eq!(sessions, vec![1, 2, 3]);
+        assert_eq!((st.counters.deadlocks, st.counters.deadlock_breaks), (1, 1));
+        let out = h.req(2, Request::release("s"));
+        assert!(H::g(&out, 1).is_some(), "the writer gets s");
+        assert!(h.st().deadlocks.is_empty());
+    }
+
+    #[test]
+    fn readers_and_writers_in_a_chain_are_no_cycle_and_a_stale_shared_edge_would_be() {
+        // The same waits without the closing one: a chain, no deadlock.
+        let mut h = H::new();
+        mixed_ring(&mut h, false);
+        assert!(h.st().deadlocks.is_empty());
+        // The writer gives up on `s`; then 3 waits for `x`: still no cycle (1 waits for
+        // nothing). With the planted bug (the writer's edge to `s` kept), the graph
+        // reports the cycle that no longer exists.
+        for planted in [false, true] {
+            let mut h = H::new();
+            h.core.planted.stale_wait_edges = planted;
+            mixed_ring(&mut h, false);
+            let out = h.req(1, Request::release("s"));
+            assert!(
+                matches!(&H::to(&out, 1)[..], [Event::Cancelled { .. }]),
+                "{out:?}"
+            );
+            h.req(3, acq("x", "h3", true));
+            assert_eq!(!h.st().deadlocks.is_empty(), planted);
+        }
+    }
+
+    #[test]
+    fn a_reader_that_queues_to_write_what_it_reads_waits_for_itself() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        h.req(1, acq_shared("s", "h1", true, None));
+        h.req(1, acq_shared("s", "h1", false, None));
+        assert_eq!(h.st().deadlocks.len(), 1);
+        // A timed reader is no holder of the graph: a writer waiting for it is no cycle.
+        let mut h = H::new();
+        h.connect(1, "unix");
+        let mut timed = acq_shared("s", "h1", true, None);
+        if let Request::Acquire { ext, .. } = &mut timed {
+            ext.ttl_ms = Some(1000);
+        }
+        h.req(1, timed);
+        h.req(1, acq_shared("s", "h1", false, None));
         assert!(h.st().deadlocks.is_empty());
     }
 }

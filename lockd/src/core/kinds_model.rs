@@ -27,7 +27,9 @@
 //! (connection-bound, or TTL/shared: `kind_gang_partial`), a
 //! wait-for graph that keeps the edge of a waiter that left.
 //! * **deadlocks**: the wait-for graph says a session is deadlocked exactly when, from the
-//!   lease table, it reaches itself through "waits for a resource held by".
+//!   lease table and the shared table, it reaches itself through "waits for a resource held
+//!   by" (version-1 queues and gangs to version-1 holders; shared-kind queues to
+//!   connection-bound shared-kind holders).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -126,6 +128,8 @@ struct Model {
     deadlock_checks: u64,
     /// Grants of TTL / shared gangs seen, by kind (TTL, shared).
     kind_gangs: (u64, u64),
+    /// Deadlocked sessions the graph check confirmed that wait in a shared-kind queue.
+    shared_cycles: u64,
 }
 
 fn peer() -> PeerInfo {
@@ -176,6 +180,7 @@ impl Model {
             held_seen: 0,
             deadlock_checks: 0,
             kind_gangs: (0, 0),
+            shared_cycles: 0,
         };
         m.plant();
         m
@@ -374,6 +379,29 @@ impl Model {
                 }
             }
         }
+        // Shared-kind resources: the session of every queued request waits for the session
+        // of every connection-bound holder (itself included: a reader that queues for a
+        // write of what it reads waits for itself).
+        let mut shared_waiters = BTreeSet::new();
+        for r in SHARED {
+            let holders: Vec<u64> = self
+                .core
+                .shared
+                .holders(r)
+                .iter()
+                .filter_map(|(id, _)| self.core.kl.get(id))
+                .filter(|l| l.bound && l.reclaim_deadline.is_none())
+                .filter_map(|l| l.session)
+                .collect();
+            for id in self.core.shared.waiters(r).0 {
+                if let Some(w) = self.core.kl.get(&id).and_then(|l| l.session) {
+                    edges.entry(w).or_default().extend(holders.iter().copied());
+                    if !holders.is_empty() {
+                        shared_waiters.insert(w);
+                    }
+                }
+            }
+        }
         for &s in edges.keys() {
             let mut seen = BTreeSet::new();
             let mut stack: Vec<u64> = edges[&s].iter().copied().collect();
@@ -394,6 +422,7 @@ impl Model {
                 s
             );
             self.deadlock_checks += u64::from(cyclic);
+            self.shared_cycles += u64::from(cyclic && shared_waiters.contains(&s));
         }
         // No gang is held in part: a granted gang holds every member, with its own leases.
         for (id, g) in &self.core.gangs {
@@ -793,6 +822,7 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
     let grants = std::sync::atomic::AtomicU64::new(0);
     let held = std::sync::atomic::AtomicU64::new(0);
     let cycles = std::sync::atomic::AtomicU64::new(0);
+    let shared_cycles = std::sync::atomic::AtomicU64::new(0);
     let kind_gangs = std::sync::Mutex::new((0u64, 0u64));
     runner
         .run(&proptest::collection::vec(op(), 1..150), |ops| {
@@ -804,6 +834,7 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
             grants.fetch_add(m.grants.len() as u64, std::sync::atomic::Ordering::Relaxed);
             held.fetch_add(m.held_seen, std::sync::atomic::Ordering::Relaxed);
             cycles.fetch_add(m.deadlock_checks, std::sync::atomic::Ordering::Relaxed);
+            shared_cycles.fetch_add(m.shared_cycles, std::sync::atomic::Ordering::Relaxed);
             if let Ok(mut k) = kind_gangs.lock() {
                 k.0 += m.kind_gangs.0;
                 k.1 += m.kind_gangs.1;
@@ -823,6 +854,10 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
         || planted.kind_gang_partial);
     if cycles.into_inner() == 0 && clean && !overlap {
         return Err("no history reached a deadlock: the graph check is vacuous".into());
+    }
+    let sc = shared_cycles.into_inner();
+    if sc == 0 && clean && !overlap {
+        return Err("no history reached a deadlock through a shared-kind queue".into());
     }
     let (kt, ks) = kind_gangs.into_inner().unwrap_or_default();
     if clean && !overlap && (kt < u64::from(cases) / 10 || ks < u64::from(cases) / 10) {

@@ -685,6 +685,10 @@ impl Core {
         if let Some(x) = self.kl.get_mut(&id) {
             x.session = Some(s);
             x.reclaim_deadline = None;
+            if x.kind == LeaseKind::Shared {
+                let r = x.resource.clone();
+                self.graph.shared_touched.push(r);
+            }
         }
         if let Some(sess) = self.sessions.get_mut(&s) {
             sess.leases.insert(id);
