@@ -33,8 +33,8 @@
 //! to no session — they end by themselves when not renewed, whoever renewed them, so a
 //! cycle through one is not a deadlock (it resolves when the TTL runs out) and attributing
 //! it to the session that acquired it would report cycles that end on their own.
-//! **Quantity leases** are always timed (a quantity acquire needs its lease time: `ttl_ms`
-//! or the pool's), so the same holds. **Waiting shared gangs** wait outside the shared
+//! **Quantity leases** are always timed (never bound to their connection: without `ttl_ms`
+//! one gets its offers' maximum lease time, capped by `--max-lease-time`), so the same holds. **Waiting shared gangs** wait outside the shared
 //! table's queues (for every member to admit a reader at once) and are not in the graph: a
 //! waiting gang holds none of its members, so gangs never close a cycle among themselves,
 //! but a session that holds a lease while its shared gang waits is not seen (TTL gangs and
