@@ -1085,6 +1085,9 @@ pub struct LeaseFields {
     /// Quantity leases: from which offers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allocations: Option<Vec<AllocationReport>>,
+    /// Members of a TTL or shared gang: the gang's id (its first member's lease id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gang_id: Option<u64>,
 }
 
 /// One resource of a granted gang.
@@ -1523,8 +1526,10 @@ impl LeaseFields {
             expires_at_unix_ms,
             quantity,
             allocations,
+            gang_id,
         } = self;
-        lease_id.is_none()
+        gang_id.is_none()
+            && lease_id.is_none()
             && kind.is_none()
             && mode.is_none()
             && version.is_none()

@@ -714,7 +714,9 @@ mod tests {
             }]
         );
         for id in gid..gid + 3 {
-            assert_eq!(h.lease(2, id).lease.expires_at_unix_ms, Some(1900));
+            let r = h.lease(2, id);
+            assert_eq!(r.lease.expires_at_unix_ms, Some(1900));
+            assert_eq!(r.lease.gang_id, Some(gid), "every member names its gang");
         }
         h.ms = 1900;
         h.step(Input::Tick);

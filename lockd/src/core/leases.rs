@@ -227,6 +227,7 @@ impl Core {
             kind: Some(l.kind),
             mode: l.mode,
             ttl_ms: l.ttl_ms,
+            gang_id: l.gang,
             ..LeaseFields::default()
         };
         match l.kind {
