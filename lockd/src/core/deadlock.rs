@@ -34,11 +34,13 @@
 //! cycle through one is not a deadlock (it resolves when the TTL runs out) and attributing
 //! it to the session that acquired it would report cycles that end on their own.
 //! **Quantity leases** are always timed (never bound to their connection: without `ttl_ms`
-//! one gets its offers' maximum lease time, capped by `--max-lease-time`), so the same holds. **Waiting shared gangs** wait outside the shared
-//! table's queues (for every member to admit a reader at once) and are not in the graph: a
-//! waiting gang holds none of its members, so gangs never close a cycle among themselves,
-//! but a session that holds a lease while its shared gang waits is not seen (TTL gangs and
-//! connection-bound exclusive gangs: see above — the latter are in the graph).
+//! one gets its offers' maximum lease time, capped by `--max-lease-time`), so the same
+//! holds. A **waiting shared gang** (outside the shared queues: it waits for every member to
+//! admit a reader at once) has an edge `w -> r` for each member `r` that admits no reader
+//! now (a writer holds it or a request waits in its queue): it waits for `r`'s holders,
+//! through the queue. A member that admits readers but has an older waiting gang first in
+//! its gang queue makes the gang wait for that gang, a waiter: not in the graph (as a
+//! version-1 waiter does not wait for the waiters ahead of it here).
 //!
 //! **Only edges that can lie on a cycle are kept**: `w -> r` only while `w` also holds
 //! something (on a cycle, every session is waited for, so holds a resource), and `r -> h`
@@ -371,11 +373,20 @@ impl Core {
                 .collect();
             holders.sort_unstable();
             holders.dedup();
+            // A waiting shared gang waits for `r` while `r` admits no reader (a writer holds
+            // it, or a request waits in its queue).
+            let gang_waits = self
+                .shared_gang_waits
+                .get(r)
+                .filter(|_| !self.shared.admits_reader(r))
+                .into_iter()
+                .flatten();
             let mut waits: Vec<SessionId> = self
                 .shared
                 .waiters(r)
                 .0
                 .iter()
+                .chain(gang_waits)
                 .filter_map(|id| session_of(id).map(|(_, s)| s))
                 .collect();
             waits.sort_unstable();
@@ -823,6 +834,37 @@ mod tests {
         }
         h.req(1, timed);
         h.req(1, acq_shared("s", "h1", false, None));
+        assert!(h.st().deadlocks.is_empty());
+    }
+
+    #[test]
+    fn a_waiting_shared_gang_waits_for_the_writer_of_a_member() {
+        let mut h = H::new();
+        for s in 1..=2 {
+            h.connect(s, "unix");
+        }
+        h.req(1, acq("x", "h1", true));
+        assert!(H::g(&h.req(2, acq_shared("s", "h2", false, None)), 2).is_some());
+        let gang = Request::Acquire {
+            resource: "rd".into(),
+            holder: "h1".into(),
+            wait: true,
+            ext: proto::AcquireExt {
+                gang: Some(vec!["s".into(), "s1".into()]),
+                mode: Some(proto::Mode::Shared),
+                ..Default::default()
+            },
+        };
+        let out = h.req(1, gang);
+        assert!(matches!(&H::to(&out, 1)[..], [Event::Queued { .. }]));
+        assert!(h.st().deadlocks.is_empty());
+        // The writer of `s` now waits for `x`, held by the gang's session: a 2-cycle.
+        h.req(2, acq("x", "h2", true));
+        let st = h.st();
+        assert_eq!(st.deadlocks.len(), 1, "{:?}", st.deadlocks);
+        assert!(st.deadlocks[0].resources.contains(&"s".to_string()));
+        // The gang gives up (its connection's release of a member): no cycle.
+        h.req(1, Request::release("s1"));
         assert!(h.st().deadlocks.is_empty());
     }
 }

@@ -393,7 +393,17 @@ impl Model {
                 .filter(|l| l.bound && l.reclaim_deadline.is_none())
                 .filter_map(|l| l.session)
                 .collect();
-            for id in self.core.shared.waiters(r).0 {
+            // Waiting shared gangs: on a member that admits no reader now.
+            let gang_waits: Vec<u64> = self
+                .core
+                .shared_gang_waits
+                .get(r)
+                .filter(|_| !self.core.shared.admits_reader(r))
+                .into_iter()
+                .flatten()
+                .copied()
+                .collect();
+            for id in self.core.shared.waiters(r).0.into_iter().chain(gang_waits) {
                 if let Some(w) = self.core.kl.get(&id).and_then(|l| l.session) {
                     edges.entry(w).or_default().extend(holders.iter().copied());
                     if !holders.is_empty() {
