@@ -25,9 +25,12 @@
 //! session waits either way) and `r -> h` to the session of every connection-bound holder
 //! (readers, or the writer): a writer waits for every current reader, a reader behind a
 //! waiting writer waits (through it) for the holders too. Requests parked for a
-//! `min_version` wait for a commit, not for a holder: not in the graph. Its holders and
-//! queue are compared with the graph's ([`SharedSynced`]) at the end of every step that
-//! noted one of its leases, O(holders + waiters) of that resource.
+//! `min_version` wait for a commit, not for a holder: not in the graph. Kept incrementally,
+//! per lease: every shared-kind lease noted in a step has its role in the graph (holds `r`
+//! for session `h`, waits for `r` from session `w`, or none) compared at the end of the step
+//! with the one the graph has ([`SharedSynced`], `GraphSync::roles`), O(log n) per changed
+//! lease; only a resource whose waiters go from none to some (or back) adds (removes) its
+//! `r -> h` edges, one per holding session.
 //!
 //! Not in the graph, and why: **TTL leases** (and timed shared leases as holders) are bound
 //! to no session — they end by themselves when not renewed, whoever renewed them, so a
@@ -85,12 +88,20 @@ pub(super) struct Synced {
 pub(super) struct SharedSynced {
     /// Its node id while it has an edge (0: none).
     node: u64,
-    /// Its connection-bound holders' sessions, sorted (counted in the sessions' holds).
-    holders: Vec<SessionId>,
-    /// The sessions with an edge `w -> r`, sorted.
-    waits: Vec<SessionId>,
-    /// The sessions `r -> h` points to (its holders while `waits` is not empty), sorted.
-    to: Vec<SessionId>,
+    /// Connection-bound holder leases per session (a session holds `r` while it has one:
+    /// counted in the sessions' holds, and `r -> h` while `waits` is not empty).
+    holders: BTreeMap<SessionId, u32>,
+    /// Waiting leases per session (an edge `w -> r` while it has one).
+    waits: BTreeMap<SessionId, u32>,
+}
+
+/// What one shared-kind lease is to the graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Role {
+    /// A connection-bound holder of its resource, of this session.
+    Holds(SessionId),
+    /// A request of this session waiting for its resource's holders.
+    Waits(SessionId),
 }
 
 /// Resources touched by a step: their names, in buffers reused from step to step (a
@@ -148,22 +159,10 @@ pub(super) struct GraphSync {
     additions: Vec<(u64, u64)>,
     /// Shared-kind resources by name, as the graph has them.
     shared: BTreeMap<String, SharedSynced>,
-    /// Shared-kind resources whose leases changed in this step (names, maybe repeated).
-    pub shared_touched: Vec<String>,
-}
-
-/// `a` and `b` sorted: (in `a` only, in `b` only).
-fn diff(a: &[SessionId], b: &[SessionId]) -> (Vec<SessionId>, Vec<SessionId>) {
-    (
-        a.iter()
-            .filter(|x| b.binary_search(x).is_err())
-            .copied()
-            .collect(),
-        b.iter()
-            .filter(|x| a.binary_search(x).is_err())
-            .copied()
-            .collect(),
-    )
+    /// The role each shared-kind lease has in the graph, with its resource.
+    roles: BTreeMap<u64, (String, Role)>,
+    /// Shared-kind leases noted in this step (ids, maybe repeated).
+    pub shared_touched: Vec<u64>,
 }
 
 /// Counts one held resource more (`up`) or less for `s`; true when the count went from or
@@ -349,100 +348,153 @@ impl Core {
         g.recheck.push(r.to_string());
     }
 
-    /// Brings the graph in line with every shared-kind resource touched in this step: its
-    /// connection-bound holders (counted as holds of their sessions), `w -> r` from the
-    /// session of every queued request, and `r -> h` to every such holder while `r` has a
-    /// waiter. Edits are queued with the pass's (removals before additions).
+    /// Brings the graph in line with every shared-kind lease noted in this step (and the
+    /// waiting shared gangs of their resources, whose wait depends on the resource's
+    /// admission): each lease's role now against the one the graph has. Edits are queued
+    /// with the pass's (removals before additions).
     fn sync_shared(&mut self) {
-        let mut names = std::mem::take(&mut self.graph.shared_touched);
-        names.sort_unstable();
-        names.dedup();
-        for r in &names {
-            let session_of = |id: &u64| {
-                self.kl.get(id).and_then(|l| {
-                    l.session
-                        .filter(|_| l.reclaim_deadline.is_none())
-                        .map(|s| (l, s))
-                })
+        let mut ids = std::mem::take(&mut self.graph.shared_touched);
+        ids.sort_unstable();
+        ids.dedup();
+        let mut gangs = Vec::new();
+        for id in &ids {
+            let r = match self.kl.get(id) {
+                Some(l) => Some(&l.resource),
+                None => self.graph.roles.get(id).map(|(r, _)| r),
             };
-            let mut holders: Vec<SessionId> = self
-                .shared
-                .holders(r)
-                .iter()
-                .filter_map(|(id, _)| session_of(id).filter(|(l, _)| l.bound).map(|(_, s)| s))
-                .collect();
-            holders.sort_unstable();
-            holders.dedup();
-            // A waiting shared gang waits for `r` while `r` admits no reader (a writer holds
-            // it, or a request waits in its queue).
+            if let Some(q) = r.and_then(|r| self.shared_gang_waits.get(r)) {
+                gangs.extend(q.iter().copied());
+            }
+        }
+        if !gangs.is_empty() {
+            ids.extend(gangs);
+            ids.sort_unstable();
+            ids.dedup();
+        }
+        for &id in &ids {
+            let new = self.shared_role(id);
+            let old = self.graph.roles.get(&id);
+            if old == new.as_ref() {
+                continue;
+            }
+            if let Some((r, role)) = self.graph.roles.remove(&id) {
+                self.shared_edit(&r, role, false);
+            }
+            if let Some((r, role)) = new {
+                self.shared_edit(&r, role, true);
+                self.graph.roles.insert(id, (r, role));
+            }
+        }
+        ids.clear();
+        self.graph.shared_touched = ids;
+    }
+
+    /// The role shared-kind lease `id` should have in the graph now.
+    fn shared_role(&self, id: u64) -> Option<(String, Role)> {
+        let l = self.kl.get(&id)?;
+        let s = l.session.filter(|_| l.reclaim_deadline.is_none())?;
+        let r = &l.resource;
+        let role = if l.granted {
+            (l.bound && self.shared.is_holder(id)).then_some(Role::Holds(s))
+        } else if self.shared.is_queued(id) {
+            Some(Role::Waits(s))
+        } else {
+            // A waiting shared gang's member: waits while its resource admits no reader.
             let gang_waits = self
                 .shared_gang_waits
                 .get(r)
-                .filter(|_| !self.shared.admits_reader(r))
-                .into_iter()
-                .flatten();
-            let mut waits: Vec<SessionId> = self
-                .shared
-                .waiters(r)
-                .0
-                .iter()
-                .chain(gang_waits)
-                .filter_map(|id| session_of(id).map(|(_, s)| s))
-                .collect();
-            waits.sort_unstable();
-            waits.dedup();
-            let g = &mut self.graph;
-            let sy = g.shared.entry(r.clone()).or_default();
-            #[cfg(test)]
-            if self.planted.stale_wait_edges {
-                // The planted bug: a waiter that left keeps its edge.
-                for w in &sy.waits {
-                    if waits.binary_search(w).is_err() {
-                        waits.push(*w);
+                .is_some_and(|q| q.contains(&id));
+            (gang_waits && !self.shared.admits_reader(r)).then_some(Role::Waits(s))
+        };
+        role.map(|x| (r.clone(), x))
+    }
+
+    /// Adds (or removes) one lease's role on `r` to the graph's counts and edges.
+    fn shared_edit(&mut self, r: &str, role: Role, add: bool) {
+        #[cfg(test)]
+        if self.planted.stale_wait_edges && !add && matches!(role, Role::Waits(_)) {
+            // The planted bug: a waiter that left keeps its edge.
+            return;
+        }
+        let g = &mut self.graph;
+        let sy = g.shared.entry(r.to_string()).or_default();
+        let node = |sy: &mut SharedSynced, g_next: &mut u64, names: &mut BTreeMap<u64, String>| {
+            if sy.node == 0 {
+                *g_next += 1;
+                sy.node = RESOURCE_BIT | *g_next;
+                names.insert(sy.node, r.to_string());
+            }
+            sy.node
+        };
+        match (role, add) {
+            (Role::Holds(h), true) => {
+                let n = sy.holders.entry(h).or_insert(0);
+                *n += 1;
+                if *n == 1 {
+                    if bump(&mut g.held, h, true) {
+                        g.flipped.push(h);
+                    }
+                    if !sy.waits.is_empty() {
+                        let rn = node(sy, &mut g.next_res_node, &mut g.res_of_node);
+                        g.additions.push((rn, h));
                     }
                 }
-                waits.sort_unstable();
             }
-            let to = if waits.is_empty() {
-                Vec::new()
-            } else {
-                holders.clone()
-            };
-            let (gone, new) = diff(&sy.holders, &holders);
-            for h in gone {
-                if bump(&mut g.held, h, false) {
-                    g.flipped.push(h);
+            (Role::Holds(h), false) => {
+                let gone = match sy.holders.get_mut(&h) {
+                    Some(n) if *n > 1 => {
+                        *n -= 1;
+                        false
+                    }
+                    Some(_) => true,
+                    None => false,
+                };
+                if gone {
+                    sy.holders.remove(&h);
+                    if bump(&mut g.held, h, false) {
+                        g.flipped.push(h);
+                    }
+                    if !sy.waits.is_empty() {
+                        g.removals.push((sy.node, h));
+                    }
                 }
             }
-            for h in new {
-                if bump(&mut g.held, h, true) {
-                    g.flipped.push(h);
+            (Role::Waits(w), true) => {
+                let n = sy.waits.entry(w).or_insert(0);
+                *n += 1;
+                if *n == 1 {
+                    let rn = node(sy, &mut g.next_res_node, &mut g.res_of_node);
+                    g.additions.push((w, rn));
+                    if sy.waits.len() == 1 {
+                        g.additions.extend(sy.holders.keys().map(|h| (rn, *h)));
+                    }
                 }
             }
-            if sy.node == 0 && (!waits.is_empty() || !to.is_empty()) {
-                g.next_res_node += 1;
-                sy.node = RESOURCE_BIT | g.next_res_node;
-                g.res_of_node.insert(sy.node, r.clone());
-            }
-            let (gone, new) = diff(&sy.waits, &waits);
-            g.removals.extend(gone.into_iter().map(|w| (w, sy.node)));
-            g.additions.extend(new.into_iter().map(|w| (w, sy.node)));
-            let (gone, new) = diff(&sy.to, &to);
-            g.removals.extend(gone.into_iter().map(|h| (sy.node, h)));
-            g.additions.extend(new.into_iter().map(|h| (sy.node, h)));
-            sy.holders = holders;
-            sy.waits = waits;
-            sy.to = to;
-            if sy.waits.is_empty() && sy.to.is_empty() && sy.node != 0 {
-                g.res_of_node.remove(&sy.node);
-                sy.node = 0;
-            }
-            if sy.node == 0 && sy.holders.is_empty() {
-                g.shared.remove(r);
+            (Role::Waits(w), false) => {
+                let gone = match sy.waits.get_mut(&w) {
+                    Some(n) if *n > 1 => {
+                        *n -= 1;
+                        false
+                    }
+                    Some(_) => true,
+                    None => false,
+                };
+                if gone {
+                    sy.waits.remove(&w);
+                    g.removals.push((w, sy.node));
+                    if sy.waits.is_empty() {
+                        g.removals.extend(sy.holders.keys().map(|h| (sy.node, *h)));
+                    }
+                }
             }
         }
-        names.clear();
-        self.graph.shared_touched = names;
+        if sy.waits.is_empty() && sy.node != 0 {
+            g.res_of_node.remove(&sy.node);
+            sy.node = 0;
+        }
+        if sy.waits.is_empty() && sy.holders.is_empty() {
+            g.shared.remove(r);
+        }
     }
 
     /// The youngest connection-bound holder lease of shared-kind resource `r` (the highest

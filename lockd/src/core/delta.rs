@@ -203,8 +203,8 @@ impl Core {
         self.notes.leases.insert(id);
         if let Some((r, kind)) = self.kl.get(&id).map(|l| (l.resource.clone(), l.kind)) {
             if kind == crate::proto::LeaseKind::Shared {
-                // Its holders or queue may change: the wait-for graph looks at it.
-                self.graph.shared_touched.push(r.clone());
+                // Its role in the wait-for graph may change: the graph looks at it.
+                self.graph.shared_touched.push(id);
             }
             self.note_name(&r);
         }

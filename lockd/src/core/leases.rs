@@ -687,8 +687,7 @@ impl Core {
             x.session = Some(s);
             x.reclaim_deadline = None;
             if x.kind == LeaseKind::Shared {
-                let r = x.resource.clone();
-                self.graph.shared_touched.push(r);
+                self.graph.shared_touched.push(id);
             }
         }
         if let Some(sess) = self.sessions.get_mut(&s) {

@@ -268,6 +268,10 @@ impl Core {
         self.table.note(&l.resource);
         match self.shared.commit(id) {
             Ok(version) => {
+                // Requests parked for this version are queued now: the wait-for graph
+                // looks at the queue again.
+                let (queued, _) = self.shared.waiters(&l.resource);
+                self.graph.shared_touched.extend(queued);
                 self.kind_counters(LeaseKind::Shared).commits += 1;
                 self.dirty = true;
                 self.send(

@@ -475,6 +475,11 @@ impl SharedTable {
         (queued, parked.into_iter().map(|(_, id)| id).collect())
     }
 
+    /// Whether `id` waits in its resource's queue (not parked for a version).
+    pub fn is_queued(&self, id: LeaseId) -> bool {
+        matches!(self.index.get(&id), Some((_, Place::Queued(_))))
+    }
+
     /// Whether `id` holds a lease (as opposed to waiting or unknown).
     pub fn is_holder(&self, id: LeaseId) -> bool {
         matches!(self.index.get(&id), Some((_, Place::Holder)))
