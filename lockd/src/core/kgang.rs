@@ -251,14 +251,17 @@ impl Core {
         if self.shared_gang_waits.is_empty() {
             return;
         }
-        let waiting: Vec<u64> = self
-            .kgangs
-            .iter()
-            .filter(|(_, g)| !g.granted && g.kind == LeaseKind::Shared)
-            .map(|(id, _)| *id)
+        // The waiting shared gangs, from their members' queues (not every gang).
+        let mut waiting: Vec<u64> = self
+            .shared_gang_waits
+            .values()
+            .flatten()
+            .filter_map(|id| self.kl.get(id).and_then(|l| l.gang))
             .collect();
+        waiting.sort_unstable();
+        waiting.dedup();
         for gid in waiting {
-            let Some(g) = self.kgangs.get(&gid) else {
+            let Some(g) = self.kgangs.get(&gid).filter(|g| !g.granted) else {
                 continue;
             };
             let members: Vec<(u64, String)> = g
