@@ -5,7 +5,7 @@
 //! connected (under which session) and what each client was told (the leases it holds, the
 //! requests it waits for). An action is one input of the driver or of a client: connect,
 //! disconnect, acquire (exclusive version 1, gang of two, TTL, shared in either mode,
-//! quantity from a pool of two), release, renew, commit, reclaim after a restart, a tick of
+//! quantity from a pool of two, a TTL gang of two, a shared gang of two), release, renew, commit, reclaim after a restart, a tick of
 //! a few fixed sizes, the acknowledgement of the pending write, and a crash of lockd followed
 //! by a restart from the durable state (through its JSON form, as lockd reads its file).
 //!
@@ -28,7 +28,9 @@
 //! * *no grant visible before it is durable*: when a grant reaches a client, the durable
 //!   state already holds its epoch and lease id;
 //! * *no gang held in part*: a client that asked for a gang holds all of its members (by
-//!   session, in `status`) or none;
+//!   session, in `status`) or none; for the TTL and shared gangs, each holder name holds
+//!   all or none of the gang's members in `status` (TTL leases, shared-mode leases), even
+//!   after its connection is gone;
 //! * *every waiter is granted or ends under a fair drain* (bounded liveness): from the state,
 //!   [`CoreModel::drain`] lets every client behave fairly, [`DRAIN_ROUNDS`] rounds of
 //!   (complete the pending write, every client releases everything it was told it holds,
@@ -59,6 +61,10 @@ pub const EXCL: [&str; 2] = ["x0", "x1"];
 pub const GANG: &str = "g";
 /// The TTL resource.
 pub const TTL_RES: &str = "t";
+/// The members of the TTL gang (`gt`): TTL leases.
+pub const TTL_GANG: [&str; 2] = ["t", "t1"];
+/// The members of the shared gang (`gs`): shared-mode leases bound to the connection.
+pub const SHARED_GANG: [&str; 2] = ["s", "s1"];
 /// The shared/exclusive resource (versions, commit).
 pub const SHARED_RES: &str = "s";
 /// The quantity pool, with one offer of [`POOL_CAPACITY`].
@@ -108,6 +114,10 @@ pub struct CoreConfig {
     pub shared: bool,
     /// Quantity acquires of 1 or 2 from the pool `p`, renew, release by id.
     pub quantity: bool,
+    /// The TTL gang `gt` = `{t, t1}` and the shared gang `gs` = `{s, s1}` (wait, with a
+    /// timeout), renewed and released by a member's id. With `shared`, the single shared
+    /// acquires of `s` are writers only (the gangs are the readers).
+    pub kind_gangs: bool,
     /// Clock steps the checker may take, in ms.
     pub ticks: Vec<u64>,
     /// No tick takes the clock past this (bounds the state space).
@@ -133,6 +143,7 @@ impl CoreConfig {
             ttl: false,
             shared: false,
             quantity: false,
+            kind_gangs: false,
             ticks: vec![150],
             max_ms: 600,
             max_restarts: 1,
@@ -171,6 +182,11 @@ pub fn ci_configs() -> Vec<(&'static str, CoreConfig, usize)> {
         quantity: true,
         ..CoreConfig::base()
     };
+    let kind_gangs = CoreConfig {
+        kind_gangs: true,
+        shared: true,
+        ..CoreConfig::base()
+    };
     let three = CoreConfig {
         clients: 3,
         exclusive: 1,
@@ -186,6 +202,7 @@ pub fn ci_configs() -> Vec<(&'static str, CoreConfig, usize)> {
         ("ttl+crash", ttl, 9),
         ("shared+crash", shared, 7),
         ("quantity+crash", quantity, 7),
+        ("ttl gang+shared gang+writer+crash", kind_gangs, 6),
     ]
 }
 
@@ -207,6 +224,9 @@ pub enum Action {
     Shared(u8, bool),
     /// Quantity acquire of this much from `p` (wait).
     Quantity(u8, u32),
+    /// The TTL gang (`false`) or the shared gang (`true`), wait with a timeout (or, with
+    /// [`PlantedBug::TwoStepGang`], two single acquires).
+    KindGang(u8, bool),
     /// Version-1 release of `EXCL[i]`.
     ReleaseExclusive(u8, u8),
     /// Release the gang whole (id + token).
@@ -524,6 +544,33 @@ impl CoreModel {
             }
             Event::GangGranted {
                 resource,
+                token,
+                members,
+                kind: Some(kind),
+                ..
+            } => {
+                // A TTL or shared gang: each member is a version-2 lease of its own.
+                for m in &members {
+                    Self::check_grant(s, &m.resource, m.epoch, m.lease_id, true);
+                }
+                let cv = &mut s.clients[c];
+                cv.waiting.remove(&resource);
+                for m in members {
+                    if let Some(id) = m.lease_id {
+                        let mode = (kind == LeaseKind::Shared).then_some(Mode::Shared);
+                        let t = Told {
+                            resource: m.resource,
+                            epoch: m.epoch,
+                            token: token.clone(),
+                            kind,
+                            mode,
+                        };
+                        cv.leases.insert(id, t);
+                    }
+                }
+            }
+            Event::GangGranted {
+                resource,
                 gang_id,
                 token,
                 members,
@@ -704,6 +751,31 @@ impl CoreModel {
                     ..AcquireExt::default()
                 };
                 self.request(s, c, Some(POOL), Self::acquire(POOL, c, ext));
+            }
+            Action::KindGang(c, shared) => {
+                let (label, members) = if shared {
+                    ("gs", SHARED_GANG)
+                } else {
+                    ("gt", TTL_GANG)
+                };
+                let ext = AcquireExt {
+                    ttl_ms: (!shared).then_some(LEASE_TTL_MS),
+                    mode: shared.then_some(Mode::Shared),
+                    ..AcquireExt::default()
+                };
+                if self.cfg.bug == Some(PlantedBug::TwoStepGang) {
+                    // The bug: a "gang" of two single acquires, one after the other.
+                    for m in members {
+                        self.request(s, c, Some(m), Self::acquire(m, c, ext.clone()));
+                    }
+                } else {
+                    let ext = AcquireExt {
+                        gang: Some(members.iter().map(|m| m.to_string()).collect()),
+                        timeout_ms: Some(GANG_TIMEOUT_MS),
+                        ..ext
+                    };
+                    self.request(s, c, Some(label), Self::acquire(label, c, ext));
+                }
             }
             Action::ReleaseExclusive(c, i) => {
                 let r = EXCL[usize::from(i)];
@@ -891,7 +963,8 @@ impl CoreModel {
                 }
             }
         }
-        let st = s.core.status(self.now(s.ms), false);
+        // The full report: the summary (`false`) lists no version-2 lease.
+        let st = s.core.status(self.now(s.ms), true);
         let mut ttl: BTreeMap<&str, usize> = BTreeMap::new();
         for l in st.leases.iter().filter(|l| l.state == "held") {
             if l.kind == Some(LeaseKind::Ttl) {
@@ -908,7 +981,8 @@ impl CoreModel {
 
     /// Shared resources with a writer beside anyone else (status).
     pub fn shared_violations(&self, s: &CoreState) -> Vec<String> {
-        let st = s.core.status(self.now(s.ms), false);
+        // The full report: the summary (`false`) lists no version-2 lease.
+        let st = s.core.status(self.now(s.ms), true);
         let mut by: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
         for l in st.leases.iter().filter(|l| l.state == "held") {
             if l.kind == Some(LeaseKind::Shared) {
@@ -927,7 +1001,8 @@ impl CoreModel {
 
     /// Offers allocated above capacity, counted by the pool and from the held leases.
     pub fn quantity_violations(&self, s: &CoreState) -> Vec<String> {
-        let st = s.core.status(self.now(s.ms), false);
+        // The full report: the summary (`false`) lists no version-2 lease.
+        let st = s.core.status(self.now(s.ms), true);
         let mut alloc: BTreeMap<String, u64> = BTreeMap::new();
         for l in st.leases.iter().filter(|l| l.state == "held") {
             if l.kind == Some(LeaseKind::Quantity) {
@@ -952,7 +1027,8 @@ impl CoreModel {
     /// Connected clients that hold part of the gang they asked for (status: the members
     /// held by their session).
     pub fn partial_gangs(&self, s: &CoreState) -> Vec<String> {
-        let st = s.core.status(self.now(s.ms), false);
+        // The full report: the summary (`false`) lists no version-2 lease.
+        let st = s.core.status(self.now(s.ms), true);
         let mut v = Vec::new();
         for (c, cv) in (0u8..).zip(&s.clients) {
             let Some((members, _)) = cv.gang.as_ref().filter(|_| cv.connected) else {
@@ -974,7 +1050,53 @@ impl CoreModel {
                 ));
             }
         }
+        if self.cfg.kind_gangs {
+            // TTL and shared gangs (status): what each holder name holds of the TTL gang's
+            // members, and of the shared gang's in shared mode (the single shared acquires
+            // are writers), connected or not (a TTL gang outlives its connection).
+            for c in 0..self.cfg.clients {
+                let name = format!("h{c}");
+                for (kind, members) in
+                    [(LeaseKind::Ttl, TTL_GANG), (LeaseKind::Shared, SHARED_GANG)]
+                {
+                    let held = st
+                        .leases
+                        .iter()
+                        .filter(|l| {
+                            l.state == "held"
+                                && l.kind == Some(kind)
+                                && l.holder.as_deref() == Some(name.as_str())
+                                && members.contains(&l.resource.as_deref().unwrap_or(""))
+                                && (kind == LeaseKind::Ttl || l.lease.mode == Some(Mode::Shared))
+                        })
+                        .count();
+                    if held != 0 && held != members.len() {
+                        v.push(format!(
+                            "client {c} holds {held} of its {} gang's {} members",
+                            kind.as_str(),
+                            members.len()
+                        ));
+                    }
+                }
+            }
+        }
         v
+    }
+
+    /// Whether a client was told it holds the whole TTL gang (`shared`: the shared gang).
+    pub fn kind_gang_told(s: &CoreState, shared: bool) -> bool {
+        let (kind, members) = if shared {
+            (LeaseKind::Shared, SHARED_GANG)
+        } else {
+            (LeaseKind::Ttl, TTL_GANG)
+        };
+        s.clients.iter().any(|c| {
+            members.iter().all(|m| {
+                c.leases.values().any(|t| {
+                    t.resource == *m && t.kind == kind && (!shared || t.mode == Some(Mode::Shared))
+                })
+            })
+        })
     }
 
     /// Human-readable path: one line per action with what the clients hold after it.
@@ -1045,8 +1167,18 @@ impl Model for CoreModel {
                 acts.push(Action::Ttl(c));
             }
             if cfg.shared && !has(SHARED_RES) && !waits(SHARED_RES) {
-                acts.push(Action::Shared(c, false));
+                if !cfg.kind_gangs {
+                    acts.push(Action::Shared(c, false));
+                }
                 acts.push(Action::Shared(c, true));
+            }
+            if cfg.kind_gangs {
+                for (shared, label, members) in [(false, "gt", TTL_GANG), (true, "gs", SHARED_GANG)]
+                {
+                    if !waits(label) && !members.iter().any(|m| has(m) || waits(m)) {
+                        acts.push(Action::KindGang(c, shared));
+                    }
+                }
             }
             if cfg.quantity && !has(POOL) && !waits(POOL) {
                 acts.push(Action::Quantity(c, 1));
@@ -1126,6 +1258,12 @@ impl Model for CoreModel {
                 s.clients
                     .iter()
                     .any(|c| matches!(c.gang, Some((_, Some(_)))))
+            }),
+            Property::sometimes("a TTL gang is granted", |_: &Self, s: &CoreState| {
+                Self::kind_gang_told(s, false)
+            }),
+            Property::sometimes("a shared gang is granted", |_: &Self, s: &CoreState| {
+                Self::kind_gang_told(s, true)
             }),
             Property::sometimes("a gang waits", |_: &Self, s: &CoreState| {
                 s.clients.iter().any(|c| c.waiting.contains_key(GANG))

@@ -121,6 +121,15 @@ fn quantity_with_crash_holds_every_property() {
     );
 }
 
+#[test]
+fn ttl_and_shared_gangs_beside_a_writer_hold_every_property() {
+    run_config(
+        "ttl gang+shared gang+writer+crash",
+        &["a TTL gang is granted", "a shared gang is granted"],
+        5_000,
+    );
+}
+
 fn planted(
     cfg: CoreConfig,
     depth: usize,
@@ -183,6 +192,26 @@ fn a_two_step_gang_is_caught_held_in_part() {
     );
     // The real gang in the same configuration never is (gang_beside_single_acquires...).
     assert!(path.iter().any(|(_, a)| matches!(a, Some(Action::Gang(_)))));
+}
+
+#[test]
+fn a_two_step_ttl_or_shared_gang_is_caught_held_in_part() {
+    let cfg = CoreConfig {
+        kind_gangs: true,
+        shared: true,
+        max_restarts: 0,
+        bug: Some(PlantedBug::TwoStepGang),
+        liveness: false,
+        ..CoreConfig::base()
+    };
+    let (model, path) = planted(cfg, 6, "no gang held in part");
+    let last = &path.last().expect("a path").0;
+    let partial = model.partial_gangs(last);
+    assert_eq!(partial.len(), 1, "{partial:?}");
+    assert!(partial[0].contains("holds 1 of its"), "{partial:?}");
+    assert!(path
+        .iter()
+        .any(|(_, a)| matches!(a, Some(Action::KindGang(..)))));
 }
 
 #[test]

@@ -2,8 +2,10 @@
 //!
 //! 1. **One lockd, gangs**: one client acquiring a gang of k resources and releasing it
 //!    (`acquire {gang:[…]}` → `gang_granted`, `release` → `released` × k), cycle latency
-//!    (median, p99) and cycles/s; then `--clients` clients doing the same over overlapping
-//!    gangs of a pool of 16 resources (contended throughput, every grant all-or-nothing).
+//!    (median, p99) and cycles/s, for each kind of gang: connection-bound exclusive, TTL
+//!    (`ttl_ms`) and shared (`mode: "shared"`); then `--clients` clients doing the same over
+//!    overlapping gangs of a pool of 16 resources (contended throughput, every grant
+//!    all-or-nothing), connection-bound and TTL.
 //! 2. **Across 3 independent lockd instances** (`lockd::reserve`, QURD): reserve 2 and 3 of
 //!    them with wait semantics (connect, reserve on each in the global order, `start` all,
 //!    release by closing), cycle latency and cycles/s.
@@ -82,9 +84,15 @@ impl Client {
         assert!(n > 0, "lockd closed the connection");
         s
     }
-    /// Acquire the gang and release it; panics on anything unexpected.
-    fn cycle(&mut self, members: &[String]) {
-        let g = serde_json::json!({"op":"acquire","resource":"g","holder":"bench","gang":members});
+    /// Acquire the gang (of `kind`) and release it; panics on anything unexpected.
+    fn cycle(&mut self, members: &[String], kind: Kind) {
+        let mut g =
+            serde_json::json!({"op":"acquire","resource":"g","holder":"bench","gang":members});
+        match kind {
+            Kind::Bound => {}
+            Kind::Ttl => g["ttl_ms"] = 30_000.into(),
+            Kind::Shared => g["mode"] = "shared".into(),
+        }
         self.send(&g.to_string());
         loop {
             let l = self.line();
@@ -100,6 +108,27 @@ impl Client {
         for _ in 0..members.len() {
             let l = self.line();
             assert!(l.contains("\"released\""), "unexpected: {l}");
+        }
+    }
+}
+
+/// The kinds of gang measured.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    /// Exclusive, bound to the connection (version-1 leases).
+    Bound,
+    /// TTL leases (`ttl_ms`).
+    Ttl,
+    /// Shared leases, bound to the connection (`mode: "shared"`).
+    Shared,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Bound => "bound",
+            Kind::Ttl => "TTL",
+            Kind::Shared => "shared",
         }
     }
 }
@@ -128,23 +157,31 @@ fn main() {
         "  {:<34} {:>11} {:>11} {:>12}",
         "", "median us", "p99 us", "cycles/s"
     );
-    for k in [2usize, 4, 8] {
-        let members: Vec<String> = (0..k).map(|i| format!("solo-{k}-{i}")).collect();
-        let mut c = Client::connect(l.socket());
-        let mut lat = Vec::new();
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(seconds) {
-            let t = Instant::now();
-            c.cycle(&members);
-            lat.push(t.elapsed());
+    for kind in [Kind::Bound, Kind::Ttl, Kind::Shared] {
+        for k in [2usize, 4, 8] {
+            // Each kind on its own names (a resource has one kind at a time).
+            let members: Vec<String> = (0..k)
+                .map(|i| format!("solo-{}-{k}-{i}", kind.name()))
+                .collect();
+            let mut c = Client::connect(l.socket());
+            let mut lat = Vec::new();
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(seconds) {
+                let t = Instant::now();
+                c.cycle(&members, kind);
+                lat.push(t.elapsed());
+            }
+            let (m, p, r) = summary(lat, t0.elapsed().as_secs_f64());
+            println!(
+                "  {:<34} {m:>11.0} {p:>11.0} {r:>12.0}",
+                format!("one client, {} gang of {k}", kind.name())
+            );
         }
-        let (m, p, r) = summary(lat, t0.elapsed().as_secs_f64());
-        println!(
-            "  {:<34} {m:>11.0} {p:>11.0} {r:>12.0}",
-            format!("one client, gang of {k}")
-        );
     }
-    for k in [2usize, 4, 8] {
+    for (kind, k) in [Kind::Bound, Kind::Ttl]
+        .into_iter()
+        .flat_map(|kind| [2usize, 4, 8].map(|k| (kind, k)))
+    {
         // Overlapping gangs over a pool of 16: client i takes k consecutive resources from
         // i*3, so neighbours contend.
         let stop = Instant::now() + Duration::from_secs(seconds);
@@ -154,13 +191,13 @@ fn main() {
                 let sock = sock.clone();
                 std::thread::spawn(move || {
                     let members: Vec<String> = (0..k)
-                        .map(|j| format!("pool-{}", (i * 3 + j) % 16))
+                        .map(|j| format!("pool-{}-{}", kind.name(), (i * 3 + j) % 16))
                         .collect();
                     let mut c = Client::connect(&sock);
                     let mut lat = Vec::new();
                     while Instant::now() < stop {
                         let t = Instant::now();
-                        c.cycle(&members);
+                        c.cycle(&members, kind);
                         lat.push(t.elapsed());
                     }
                     lat
@@ -175,7 +212,7 @@ fn main() {
         let (m, p, r) = summary(all, t0.elapsed().as_secs_f64().max(seconds as f64));
         println!(
             "  {:<34} {m:>11.0} {p:>11.0} {r:>12.0}",
-            format!("{clients} clients, gangs of {k} of 16")
+            format!("{clients} clients, {} gangs of {k} of 16", kind.name())
         );
     }
     drop(l);

@@ -205,8 +205,9 @@ pub struct AcquireExt {
     /// Quantity: this request's attributes (matched by the offers' requirements).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attributes: Option<BTreeMap<String, String>>,
-    /// Feature `gang`: the resources of an all-or-nothing gang (exclusive, bound to the
-    /// connection); `resource` then names the gang in events.
+    /// Feature `gang`: the resources of an all-or-nothing gang (exclusive and bound to the
+    /// connection; with `ttl_ms` TTL leases; with `mode: shared` shared leases); `resource`
+    /// then names the gang in events.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gang: Option<Vec<String>>,
     /// Feature `gang`: give up waiting after this long (answered `cancelled`).
@@ -616,10 +617,17 @@ fn validate(req: &Request) -> Result<(), DecodeError> {
             check_attributes(ext.attributes.as_ref())?;
             check_ttl(ext.timeout_ms)?;
             if let Some(g) = &ext.gang {
-                if ext.mode.is_some() || ext.ttl_ms.is_some() || ext.quantity.is_some() {
+                if ext.quantity.is_some() || ext.mode == Some(Mode::Exclusive) {
                     return Err(DecodeError::Invalid(
-                        "a gang is exclusive and bound to its connection: no mode, ttl_ms or \
-                         quantity"
+                        "a gang is exclusive (no mode), TTL (ttl_ms) or shared (mode \"shared\", \
+                         with or without ttl_ms): no quantity, no mode \"exclusive\""
+                            .into(),
+                    ));
+                }
+                if ext.min_version.is_some() {
+                    return Err(DecodeError::Invalid(
+                        "min_version does not go with gang (a member waiting for a version \
+                         would hold the whole gang back)"
                             .into(),
                     ));
                 }
@@ -1077,6 +1085,9 @@ pub struct LeaseFields {
     /// Quantity leases: from which offers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allocations: Option<Vec<AllocationReport>>,
+    /// Members of a TTL or shared gang: the gang's id (its first member's lease id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gang_id: Option<u64>,
 }
 
 /// One resource of a granted gang.
@@ -1086,6 +1097,12 @@ pub struct GangMember {
     pub resource: String,
     /// Its fencing epoch (each resource has its own sequence).
     pub epoch: u64,
+    /// Shared gangs: the resource's version at the grant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<u64>,
+    /// Gangs of the version-2 kinds: the member's own lease id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_id: Option<u64>,
 }
 
 /// A part of a quantity lease: this much from that offer.
@@ -1316,6 +1333,27 @@ pub enum Event {
         token: String,
         /// Each member: its resource and its own epoch.
         members: Vec<GangMember>,
+        /// `ttl` (a TTL gang), `shared` (a shared gang); absent for a connection-bound
+        /// exclusive gang.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        kind: Option<LeaseKind>,
+        /// Timed gangs: the deadline of every member (ms since the Unix epoch).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        expires_at_unix_ms: Option<u64>,
+    },
+    /// Version 2 (`gang`): one member of a granted gang was taken away (revoked by an
+    /// admin, or its lease ended by itself): fence it and reserve a replacement. A gang of
+    /// the version-2 kinds ends whole right after (its members' `lease_ended` follow); a
+    /// connection-bound exclusive gang keeps its other members.
+    MemberLost {
+        /// The gang's id.
+        gang_id: u64,
+        /// The member taken away.
+        resource: String,
+        /// Its epoch.
+        epoch: u64,
+        /// Why: `revoked:<by>:<why>`, `expired`, ...
+        reason: String,
     },
     /// Version 2: answer to `renew`.
     Renewed {
@@ -1494,8 +1532,10 @@ impl LeaseFields {
             expires_at_unix_ms,
             quantity,
             allocations,
+            gang_id,
         } = self;
-        lease_id.is_none()
+        gang_id.is_none()
+            && lease_id.is_none()
             && kind.is_none()
             && mode.is_none()
             && version.is_none()

@@ -19,9 +19,31 @@
 //! `deadlock`, counted apart (`counters.deadlock_breaks`): its holder is told to let go, as
 //! with any revoke — the lease moves only once its holder's session has ended.
 //!
-//! Which waits are in the graph: the version-1 exclusive leases and gangs (whose holders are
-//! sessions). TTL and quantity leases are not bound to a session; shared-kind leases are not
-//! in the graph yet.
+//! Which waits are in the graph: the version-1 exclusive leases and gangs, and the
+//! shared-kind leases. A shared-kind resource has a node too, with an edge `w -> r` from the
+//! session of every request in its queue (reader or writer, connection-bound or timed: the
+//! session waits either way) and `r -> h` to the session of every connection-bound holder
+//! (readers, or the writer): a writer waits for every current reader, a reader behind a
+//! waiting writer waits (through it) for the holders too. Requests parked for a
+//! `min_version` wait for a commit, not for a holder: not in the graph. Kept incrementally,
+//! per lease: every shared-kind lease noted in a step has its role in the graph (holds `r`
+//! for session `h`, waits for `r` from session `w`, or none) compared at the end of the step
+//! with the one the graph has ([`SharedSynced`], `GraphSync::roles`), O(log n) per changed
+//! lease; only a resource whose waiters go from none to some (or back) adds (removes) its
+//! `r -> h` edges, one per holding session.
+//!
+//! Not in the graph, and why: **TTL leases** (and timed shared leases as holders) are bound
+//! to no session — they end by themselves when not renewed, whoever renewed them, so a
+//! cycle through one is not a deadlock (it resolves when the TTL runs out) and attributing
+//! it to the session that acquired it would report cycles that end on their own.
+//! **Quantity leases** are always timed (never bound to their connection: without `ttl_ms`
+//! one gets its offers' maximum lease time, capped by `--max-lease-time`), so the same
+//! holds. A **waiting shared gang** (outside the shared queues: it waits for every member to
+//! admit a reader at once) has an edge `w -> r` for each member `r` that admits no reader
+//! now (a writer holds it or a request waits in its queue): it waits for `r`'s holders,
+//! through the queue. A member that admits readers but has an older waiting gang first in
+//! its gang queue makes the gang wait for that gang, a waiter: not in the graph (as a
+//! version-1 waiter does not wait for the waiters ahead of it here).
 //!
 //! **Only edges that can lie on a cycle are kept**: `w -> r` only while `w` also holds
 //! something (on a cycle, every session is waited for, so holds a resource), and `r -> h`
@@ -58,6 +80,28 @@ pub(super) struct Synced {
     edge_to: Option<SessionId>,
     /// Edges `w -> r` the graph has (waiters that hold something).
     live_in: u32,
+}
+
+/// What the graph holds for one shared-kind resource (in [`GraphSync`], present while the
+/// resource has a connection-bound holder or a waiter in the graph).
+#[derive(Debug, Clone, Default)]
+pub(super) struct SharedSynced {
+    /// Its node id while it has an edge (0: none).
+    node: u64,
+    /// Connection-bound holder leases per session (a session holds `r` while it has one:
+    /// counted in the sessions' holds, and `r -> h` while `waits` is not empty).
+    holders: BTreeMap<SessionId, u32>,
+    /// Waiting leases per session (an edge `w -> r` while it has one).
+    waits: BTreeMap<SessionId, u32>,
+}
+
+/// What one shared-kind lease is to the graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Role {
+    /// A connection-bound holder of its resource, of this session.
+    Holds(SessionId),
+    /// A request of this session waiting for its resource's holders.
+    Waits(SessionId),
 }
 
 /// Resources touched by a step: their names, in buffers reused from step to step (a
@@ -113,6 +157,12 @@ pub(super) struct GraphSync {
     /// no cycle is reported through an edge about to go).
     removals: Vec<(u64, u64)>,
     additions: Vec<(u64, u64)>,
+    /// Shared-kind resources by name, as the graph has them.
+    shared: BTreeMap<String, SharedSynced>,
+    /// The role each shared-kind lease has in the graph, with its resource.
+    roles: BTreeMap<u64, (String, Role)>,
+    /// Shared-kind leases noted in this step (ids, maybe repeated).
+    pub shared_touched: Vec<u64>,
 }
 
 /// Counts one held resource more (`up`) or less for `s`; true when the count went from or
@@ -141,7 +191,7 @@ impl Core {
     /// End of step: bring the wait-for graph up to date with the touched resources; report
     /// (and, if configured, break) every cycle that appeared.
     pub(super) fn deadlock_pass(&mut self, now: Now) {
-        if self.table.touched.is_empty() {
+        if self.table.touched.is_empty() && self.graph.shared_touched.is_empty() {
             return;
         }
         let mut touched = std::mem::take(&mut self.table.touched);
@@ -180,6 +230,11 @@ impl Core {
                 }
                 sy.holder = holder;
             }
+        }
+        // Shared-kind resources: their holders count too (before the sessions whose count
+        // flipped are looked at), and their edges are brought in line.
+        if !self.graph.shared_touched.is_empty() {
+            self.sync_shared();
         }
         // The `w -> r` edges: of every queue change, and of every session that started or
         // stopped holding something.
@@ -293,6 +348,166 @@ impl Core {
         g.recheck.push(r.to_string());
     }
 
+    /// Brings the graph in line with every shared-kind lease noted in this step (and the
+    /// waiting shared gangs of their resources, whose wait depends on the resource's
+    /// admission): each lease's role now against the one the graph has. Edits are queued
+    /// with the pass's (removals before additions).
+    fn sync_shared(&mut self) {
+        let mut ids = std::mem::take(&mut self.graph.shared_touched);
+        ids.sort_unstable();
+        ids.dedup();
+        let mut gangs = Vec::new();
+        for id in &ids {
+            let r = match self.kl.get(id) {
+                Some(l) => Some(&l.resource),
+                None => self.graph.roles.get(id).map(|(r, _)| r),
+            };
+            if let Some(q) = r.and_then(|r| self.shared_gang_waits.get(r)) {
+                gangs.extend(q.iter().copied());
+            }
+        }
+        if !gangs.is_empty() {
+            ids.extend(gangs);
+            ids.sort_unstable();
+            ids.dedup();
+        }
+        for &id in &ids {
+            let new = self.shared_role(id);
+            let old = self.graph.roles.get(&id);
+            if old == new.as_ref() {
+                continue;
+            }
+            if let Some((r, role)) = self.graph.roles.remove(&id) {
+                self.shared_edit(&r, role, false);
+            }
+            if let Some((r, role)) = new {
+                self.shared_edit(&r, role, true);
+                self.graph.roles.insert(id, (r, role));
+            }
+        }
+        ids.clear();
+        self.graph.shared_touched = ids;
+    }
+
+    /// The role shared-kind lease `id` should have in the graph now.
+    fn shared_role(&self, id: u64) -> Option<(String, Role)> {
+        let l = self.kl.get(&id)?;
+        let s = l.session.filter(|_| l.reclaim_deadline.is_none())?;
+        let r = &l.resource;
+        let role = if l.granted {
+            (l.bound && self.shared.is_holder(id)).then_some(Role::Holds(s))
+        } else if self.shared.is_queued(id) {
+            Some(Role::Waits(s))
+        } else {
+            // A waiting shared gang's member: waits while its resource admits no reader.
+            let gang_waits = self
+                .shared_gang_waits
+                .get(r)
+                .is_some_and(|q| q.contains(&id));
+            (gang_waits && !self.shared.admits_reader(r)).then_some(Role::Waits(s))
+        };
+        role.map(|x| (r.clone(), x))
+    }
+
+    /// Adds (or removes) one lease's role on `r` to the graph's counts and edges.
+    fn shared_edit(&mut self, r: &str, role: Role, add: bool) {
+        #[cfg(test)]
+        if self.planted.stale_wait_edges && !add && matches!(role, Role::Waits(_)) {
+            // The planted bug: a waiter that left keeps its edge.
+            return;
+        }
+        let g = &mut self.graph;
+        let sy = g.shared.entry(r.to_string()).or_default();
+        let node = |sy: &mut SharedSynced, g_next: &mut u64, names: &mut BTreeMap<u64, String>| {
+            if sy.node == 0 {
+                *g_next += 1;
+                sy.node = RESOURCE_BIT | *g_next;
+                names.insert(sy.node, r.to_string());
+            }
+            sy.node
+        };
+        match (role, add) {
+            (Role::Holds(h), true) => {
+                let n = sy.holders.entry(h).or_insert(0);
+                *n += 1;
+                if *n == 1 {
+                    if bump(&mut g.held, h, true) {
+                        g.flipped.push(h);
+                    }
+                    if !sy.waits.is_empty() {
+                        let rn = node(sy, &mut g.next_res_node, &mut g.res_of_node);
+                        g.additions.push((rn, h));
+                    }
+                }
+            }
+            (Role::Holds(h), false) => {
+                let gone = match sy.holders.get_mut(&h) {
+                    Some(n) if *n > 1 => {
+                        *n -= 1;
+                        false
+                    }
+                    Some(_) => true,
+                    None => false,
+                };
+                if gone {
+                    sy.holders.remove(&h);
+                    if bump(&mut g.held, h, false) {
+                        g.flipped.push(h);
+                    }
+                    if !sy.waits.is_empty() {
+                        g.removals.push((sy.node, h));
+                    }
+                }
+            }
+            (Role::Waits(w), true) => {
+                let n = sy.waits.entry(w).or_insert(0);
+                *n += 1;
+                if *n == 1 {
+                    let rn = node(sy, &mut g.next_res_node, &mut g.res_of_node);
+                    g.additions.push((w, rn));
+                    if sy.waits.len() == 1 {
+                        g.additions.extend(sy.holders.keys().map(|h| (rn, *h)));
+                    }
+                }
+            }
+            (Role::Waits(w), false) => {
+                let gone = match sy.waits.get_mut(&w) {
+                    Some(n) if *n > 1 => {
+                        *n -= 1;
+                        false
+                    }
+                    Some(_) => true,
+                    None => false,
+                };
+                if gone {
+                    sy.waits.remove(&w);
+                    g.removals.push((w, sy.node));
+                    if sy.waits.is_empty() {
+                        g.removals.extend(sy.holders.keys().map(|h| (sy.node, *h)));
+                    }
+                }
+            }
+        }
+        if sy.waits.is_empty() && sy.node != 0 {
+            g.res_of_node.remove(&sy.node);
+            sy.node = 0;
+        }
+        if sy.waits.is_empty() && sy.holders.is_empty() {
+            g.shared.remove(r);
+        }
+    }
+
+    /// The youngest connection-bound holder lease of shared-kind resource `r` (the highest
+    /// lease id), for a deadlock report.
+    fn shared_youngest(&self, r: &str) -> Option<u64> {
+        self.shared
+            .holders(r)
+            .iter()
+            .map(|(id, _)| *id)
+            .filter(|id| self.kl.get(id).is_some_and(|l| l.bound))
+            .max()
+    }
+
     /// Brings the edge `r -> h` in line with the table: wanted while `r` has a holder and a
     /// kept `w -> r` edge. Forgets `r`'s node once it has no edge.
     fn sync_hold(&mut self, r: &str) {
@@ -349,7 +564,7 @@ impl Core {
             .iter()
             .filter_map(|r| match self.table.resources.get(r).map(|x| &x.lease) {
                 Some(LeaseState::Held(l)) => Some((r.clone(), l.lease_id)),
-                _ => None,
+                _ => self.shared_youngest(r).map(|id| (r.clone(), id)),
             })
             .collect();
         self.counters.deadlocks += 1;
@@ -384,7 +599,15 @@ impl Core {
         );
         if self.cfg.break_deadlocks {
             // The youngest lease the cycle waits for: the highest lease id.
-            if let Some((r, _)) = res.iter().max_by_key(|x| x.1).cloned() {
+            if let Some((r, id)) = res.iter().max_by_key(|x| x.1).cloned() {
+                if let Some(l) = self.kl.get(&id).filter(|l| l.resource == r) {
+                    // A connection-bound shared-kind lease: marked revoked, its holder told.
+                    if l.revoked.is_none() {
+                        self.shared_revoke(now, id, "lockd".into(), "deadlock".into());
+                        self.counters.deadlock_breaks += 1;
+                    }
+                    return;
+                }
                 // A lease revoked already (by an operator, or an earlier break) is not
                 // revoked again: its holder was told and the cycle ends when it lets go.
                 let fresh = matches!(
@@ -572,6 +795,128 @@ mod tests {
         // The lease moves once its holder lets go: then nobody waits in a cycle.
         let out = h.step(Input::Disconnect { session: 3 });
         assert!(H::granted(&out, 2).is_some());
+        assert!(h.st().deadlocks.is_empty());
+    }
+
+    /// Session 1 holds `x`, 3 holds `y` (version 1), 2 reads `s` (shared kind, bound); then
+    /// 1 waits to write `s` (for the reader 2), 2 waits for `y` (3) and, if `close`, 3 waits
+    /// for `x` (1): a 3-cycle through a shared and two exclusive leases.
+    fn mixed_ring(h: &mut H, close: bool) -> Vec<Output> {
+        h.connect(1000, "unix");
+        h.req(1000, Request::Watch);
+        for s in 1..=3 {
+            h.connect(s, "unix");
+        }
+        h.req(1, acq("x", "h1", true));
+        h.req(3, acq("y", "h3", true));
+        assert!(H::g(&h.req(2, acq_shared("s", "h2", true, None)), 2).is_some());
+        let out = h.req(1, acq_shared("s", "h1", false, None));
+        assert!(matches!(&H::to(&out, 1)[..], [Event::Queued { .. }]));
+        let out = h.req(2, acq("y", "h2", true));
+        if !close {
+            return out;
+        }
+        h.req(3, acq("x", "h3", true))
+    }
+
+    #[test]
+    fn a_three_cycle_through_shared_and_exclusive_leases_is_found_and_broken() {
+        let mut h = H::with_cfg(PersistedState::default(), None, 0, |c| {
+            c.break_deadlocks = true
+        });
+        let out = mixed_ring(&mut h, true);
+        let n = deadlock_notices(&out);
+        assert_eq!(n.len(), 1, "{out:?}");
+        assert!(["x", "y", "s"].iter().all(|r| n[0].contains(r)), "{}", n[0]);
+        // The youngest lease the cycle waits for is the reader's (lease 3): revoked, its
+        // holder told; the cycle lasts until it lets go.
+        assert!(
+            H::to(&out, 2)
+                .iter()
+                .any(|e| matches!(e, Event::Revoked { resource, reason, .. }
+                if resource == "s" && reason == "deadlock")),
+            "{out:?}"
+        );
+        let st = h.st();
+        let mut sessions = st.deadlocks[0].sessions.clone();
+        sessions.sort_unstable();
+        assert_eq!(sessions, vec![1, 2, 3]);
+        assert_eq!((st.counters.deadlocks, st.counters.deadlock_breaks), (1, 1));
+        let out = h.req(2, Request::release("s"));
+        assert!(H::g(&out, 1).is_some(), "the writer gets s");
+        assert!(h.st().deadlocks.is_empty());
+    }
+
+    #[test]
+    fn readers_and_writers_in_a_chain_are_no_cycle_and_a_stale_shared_edge_would_be() {
+        // The same waits without the closing one: a chain, no deadlock.
+        let mut h = H::new();
+        mixed_ring(&mut h, false);
+        assert!(h.st().deadlocks.is_empty());
+        // The writer gives up on `s`; then 3 waits for `x`: still no cycle (1 waits for
+        // nothing). With the planted bug (the writer's edge to `s` kept), the graph
+        // reports the cycle that no longer exists.
+        for planted in [false, true] {
+            let mut h = H::new();
+            h.core.planted.stale_wait_edges = planted;
+            mixed_ring(&mut h, false);
+            let out = h.req(1, Request::release("s"));
+            assert!(
+                matches!(&H::to(&out, 1)[..], [Event::Cancelled { .. }]),
+                "{out:?}"
+            );
+            h.req(3, acq("x", "h3", true));
+            assert_eq!(!h.st().deadlocks.is_empty(), planted);
+        }
+    }
+
+    #[test]
+    fn a_reader_that_queues_to_write_what_it_reads_waits_for_itself() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        h.req(1, acq_shared("s", "h1", true, None));
+        h.req(1, acq_shared("s", "h1", false, None));
+        assert_eq!(h.st().deadlocks.len(), 1);
+        // A timed reader is no holder of the graph: a writer waiting for it is no cycle.
+        let mut h = H::new();
+        h.connect(1, "unix");
+        let mut timed = acq_shared("s", "h1", true, None);
+        if let Request::Acquire { ext, .. } = &mut timed {
+            ext.ttl_ms = Some(1000);
+        }
+        h.req(1, timed);
+        h.req(1, acq_shared("s", "h1", false, None));
+        assert!(h.st().deadlocks.is_empty());
+    }
+
+    #[test]
+    fn a_waiting_shared_gang_waits_for_the_writer_of_a_member() {
+        let mut h = H::new();
+        for s in 1..=2 {
+            h.connect(s, "unix");
+        }
+        h.req(1, acq("x", "h1", true));
+        assert!(H::g(&h.req(2, acq_shared("s", "h2", false, None)), 2).is_some());
+        let gang = Request::Acquire {
+            resource: "rd".into(),
+            holder: "h1".into(),
+            wait: true,
+            ext: proto::AcquireExt {
+                gang: Some(vec!["s".into(), "s1".into()]),
+                mode: Some(proto::Mode::Shared),
+                ..Default::default()
+            },
+        };
+        let out = h.req(1, gang);
+        assert!(matches!(&H::to(&out, 1)[..], [Event::Queued { .. }]));
+        assert!(h.st().deadlocks.is_empty());
+        // The writer of `s` now waits for `x`, held by the gang's session: a 2-cycle.
+        h.req(2, acq("x", "h2", true));
+        let st = h.st();
+        assert_eq!(st.deadlocks.len(), 1, "{:?}", st.deadlocks);
+        assert!(st.deadlocks[0].resources.contains(&"s".to_string()));
+        // The gang gives up (its connection's release of a member): no cycle.
+        h.req(1, Request::release("s1"));
         assert!(h.st().deadlocks.is_empty());
     }
 }

@@ -227,7 +227,11 @@ impl Core {
     /// registry still has it: its resource is noted too).
     pub(super) fn note_lease(&mut self, id: u64) {
         self.notes.leases.insert(id);
-        if let Some(r) = self.kl.get(&id).map(|l| l.resource.clone()) {
+        if let Some((r, kind)) = self.kl.get(&id).map(|l| (l.resource.clone(), l.kind)) {
+            if kind == crate::proto::LeaseKind::Shared {
+                // Its role in the wait-for graph may change: the graph looks at it.
+                self.graph.shared_touched.push(id);
+            }
             self.note_name(&r);
         }
     }

@@ -502,7 +502,7 @@ impl Core {
         };
         let first = l.revoked.is_none();
         l.revoked = Some(reason.clone());
-        let (holder, epoch, hs) = (l.holder.clone(), l.epoch, l.session);
+        let (holder, epoch, hs, gang) = (l.holder.clone(), l.epoch, l.session, l.gang);
         if first {
             self.counters.revocations += 1;
             self.dirty = true;
@@ -522,6 +522,19 @@ impl Core {
                     version: None,
                 },
                 None,
+            );
+        }
+        if let Some(gang_id) = gang {
+            // A member of a gang: named to the holder, which fences it and may reserve a
+            // replacement (the gang's other members stay held).
+            self.send(
+                hs,
+                Event::MemberLost {
+                    gang_id,
+                    resource: resource.to_string(),
+                    epoch,
+                    reason: reason.clone(),
+                },
             );
         }
         self.send(

@@ -2,7 +2,7 @@
 //! not at all, so that a session never holds part of a gang (no hold-and-wait inside one
 //! lockd). Members are ordinary exclusive, connection-bound leases (each with its own epoch,
 //! persisted and reclaimed like any other) that share the gang's token and are granted and
-//! released together.
+//! released together. (Gangs of TTL or shared leases: `kgang.rs`.)
 //!
 //! **Order and fairness.** Every waiter of every resource gets a ticket from one counter
 //! (`Table::next_ticket`); a waiting gang holds the same ticket in the queue of each of its
@@ -215,6 +215,8 @@ impl Core {
                 members.push(GangMember {
                     resource: m.clone(),
                     epoch,
+                    version: None,
+                    lease_id: None,
                 });
                 self.reserve(now, m, g.reserve_ms);
                 self.granted_notice(now, m, g.session, g.holder.clone(), epoch, handoff_from);
@@ -229,6 +231,8 @@ impl Core {
                 holder: g.holder,
                 token: g.token,
                 members,
+                kind: None,
+                expires_at_unix_ms: None,
             },
         );
     }
@@ -305,6 +309,10 @@ impl Core {
                 break;
             }
             self.gang_deadlines.remove(&(d, id));
+            if self.kgangs.contains_key(&id) {
+                self.kgang_cancel(now, id);
+                continue;
+            }
             let s = self.gangs.get(&id).map(|g| g.session);
             self.gang_end(now, id, s);
         }
@@ -539,6 +547,39 @@ mod tests {
         );
         assert_eq!(H::err_code(&out, 2).as_deref(), Some("already_queued"));
         assert!(holder(&h, "e").is_none());
+    }
+
+    #[test]
+    fn a_revoked_member_is_named_to_the_holder_and_the_others_stay_held() {
+        let mut h = H::new();
+        h.connect(1, "unix");
+        h.connect(9, "unix");
+        let (id, _) =
+            gang_granted(&h.req(1, gang("tp", "eng", &["a", "b", "c"], true)), 1).unwrap();
+        let out = h.req(
+            9,
+            Request::Revoke {
+                resource: Some("b".into()),
+                lease_id: None,
+                reason: Some("gpu failed".into()),
+                admin_token: None,
+            },
+        );
+        let ev = H::to(&out, 1);
+        assert_eq!(
+            ev[0],
+            Event::MemberLost {
+                gang_id: id,
+                resource: "b".into(),
+                epoch: 1,
+                reason: "gpu failed".into()
+            }
+        );
+        assert!(matches!(&ev[1], Event::Revoked { resource, .. } if resource == "b"));
+        // Nothing moves until the holder lets go (as for any revoke): the gang stays whole,
+        // and the holder can reserve a replacement meanwhile.
+        assert!(["a", "b", "c"].iter().all(|r| holder(&h, r) == Some(1)));
+        assert!(H::granted(&h.req(1, acq("d", "eng", false)), 1).is_some());
     }
 
     #[test]

@@ -10,7 +10,10 @@
 //! * **epochs** of new grants strictly increase per resource, across restarts;
 //! * **TTL**: at most one live TTL lease per resource;
 //! * **shared**: an exclusive holder holds alone (no reader beside a writer);
-//! * **gangs**: a granted gang holds every member (its own leases), a waiting one none;
+//! * **gangs**: a granted gang holds every member (its own leases), a waiting one none —
+//!   for connection-bound exclusive gangs, TTL gangs and shared gangs (bound or timed); no
+//!   member of a TTL/shared gang lives without its gang; a gang's grant is durable before
+//!   it is sent and each member's epoch is above every earlier one of its resource;
 //! * **quantity**: for every offer, the allocations of the leases whose renewals are not
 //!   refused fit in its capacity, and a pool never allocates above what its offers had when
 //!   the leases were granted (checked as: no offer's allocation exceeds the largest quantity
@@ -20,10 +23,13 @@
 //! * nothing panics.
 //!
 //! Shown to catch planted bugs: a grant that is not persisted, a TTL acquire that ignores the
-//! holder, shared admission that lets readers in beside a writer, a gang granted in part, a
+//! holder, shared admission that lets readers in beside a writer, a gang granted in part
+//! (connection-bound, or TTL/shared: `kind_gang_partial`), a
 //! wait-for graph that keeps the edge of a waiter that left.
 //! * **deadlocks**: the wait-for graph says a session is deadlocked exactly when, from the
-//!   lease table, it reaches itself through "waits for a resource held by".
+//!   lease table and the shared table, it reaches itself through "waits for a resource held
+//!   by" (version-1 queues and gangs to version-1 holders; shared-kind queues to
+//!   connection-bound shared-kind holders).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -42,6 +48,9 @@ enum Op {
     Quantity(u64, u8, bool),
     Excl(u64, u8),
     Gang(u64, u8, bool),
+    /// A gang of the version-2 kinds: client, member mask, shared (else TTL), timed (shared),
+    /// with a timeout.
+    KindGang(u64, u8, bool, bool, bool),
     Cross(u64, u8),
     ReleaseRes(u64, u8),
     ReleaseId(u64, u8),
@@ -68,8 +77,10 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (c.clone(), 1u8..5, any::<bool>()).prop_map(|(c, q, w)| Op::Quantity(c, q, w)),
         2 => (c.clone(), 0u8..2).prop_map(|(c, r)| Op::Excl(c, r)),
         2 => (c.clone(), 1u8..4, any::<bool>()).prop_map(|(c, m, w)| Op::Gang(c, m, w)),
+        3 => (c.clone(), 1u8..4, any::<bool>(), any::<bool>(), any::<bool>())
+            .prop_map(|(c, m, sh, t, w)| Op::KindGang(c, m, sh, t, w)),
         2 => (c.clone(), 0u8..2).prop_map(|(c, r)| Op::Cross(c, r)),
-        2 => (c.clone(), 0u8..5).prop_map(|(c, r)| Op::ReleaseRes(c, r)),
+        2 => (c.clone(), 0u8..6).prop_map(|(c, r)| Op::ReleaseRes(c, r)),
         3 => (c.clone(), pick).prop_map(|(c, p)| Op::ReleaseId(c, p)),
         3 => (c.clone(), pick).prop_map(|(c, p)| Op::Renew(c, p)),
         3 => (c.clone(), pick).prop_map(|(c, p)| Op::Commit(c, p)),
@@ -84,10 +95,12 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Resource names by index: `ttl`, two shared-kind ones, the pool, two exclusive ones.
+/// Resource names by index: two TTL ones, two shared-kind ones, the pool, two exclusive ones.
 const SHARED: [&str; 2] = ["s0", "s1"];
 const EXCL: [&str; 2] = ["x0", "x1"];
-const ALL: [&str; 5] = ["t", "s0", "p", "x0", "x1"];
+const ALL: [&str; 6] = ["t", "s0", "p", "x0", "x1", "t1"];
+/// The members of TTL gangs (`t` also takes single TTL acquires).
+const TTLS: [&str; 2] = ["t", "t1"];
 
 struct Model {
     core: Core,
@@ -113,6 +126,10 @@ struct Model {
     held_seen: u64,
     /// Deadlocked sessions the graph check confirmed (summed over steps).
     deadlock_checks: u64,
+    /// Grants of TTL / shared gangs seen, by kind (TTL, shared).
+    kind_gangs: (u64, u64),
+    /// Deadlocked sessions the graph check confirmed that wait in a shared-kind queue.
+    shared_cycles: u64,
 }
 
 fn peer() -> PeerInfo {
@@ -162,6 +179,8 @@ impl Model {
             steps: 0,
             held_seen: 0,
             deadlock_checks: 0,
+            kind_gangs: (0, 0),
+            shared_cycles: 0,
         };
         m.plant();
         m
@@ -255,6 +274,44 @@ impl Model {
                 self.last_epoch.insert(resource.clone(), epoch);
             }
             self.grants.insert(id, (token, resource));
+        } else if let Event::GangGranted {
+            gang_id,
+            token,
+            members,
+            kind,
+            ..
+        } = ev
+        {
+            match kind {
+                Some(LeaseKind::Ttl) => self.kind_gangs.0 += 1,
+                Some(LeaseKind::Shared) => self.kind_gangs.1 += 1,
+                _ => {}
+            }
+            for m in members {
+                let Some(id) = m.lease_id else {
+                    continue; // a connection-bound exclusive gang: version 1's leases
+                };
+                let durable = self
+                    .durable
+                    .resources
+                    .get(&m.resource)
+                    .map_or(0, |r| r.epoch);
+                prop_assert!(
+                    durable >= m.epoch && self.durable.last_lease_id >= id,
+                    "gang {gang_id} member {id} ({}@{}) sent before it was durable",
+                    m.resource,
+                    m.epoch
+                );
+                let last = self.last_epoch.get(&m.resource).copied().unwrap_or(0);
+                prop_assert!(
+                    m.epoch > last,
+                    "{}: epoch {} after {last}",
+                    m.resource,
+                    m.epoch
+                );
+                self.last_epoch.insert(m.resource.clone(), m.epoch);
+                self.grants.insert(id, (token.clone(), m.resource));
+            }
         } else if let Event::Committed {
             resource, version, ..
         } = ev
@@ -329,6 +386,39 @@ impl Model {
                 }
             }
         }
+        // Shared-kind resources: the session of every queued request waits for the session
+        // of every connection-bound holder (itself included: a reader that queues for a
+        // write of what it reads waits for itself).
+        let mut shared_waiters = BTreeSet::new();
+        for r in SHARED {
+            let holders: Vec<u64> = self
+                .core
+                .shared
+                .holders(r)
+                .iter()
+                .filter_map(|(id, _)| self.core.kl.get(id))
+                .filter(|l| l.bound && l.reclaim_deadline.is_none())
+                .filter_map(|l| l.session)
+                .collect();
+            // Waiting shared gangs: on a member that admits no reader now.
+            let gang_waits: Vec<u64> = self
+                .core
+                .shared_gang_waits
+                .get(r)
+                .filter(|_| !self.core.shared.admits_reader(r))
+                .into_iter()
+                .flatten()
+                .copied()
+                .collect();
+            for id in self.core.shared.waiters(r).0.into_iter().chain(gang_waits) {
+                if let Some(w) = self.core.kl.get(&id).and_then(|l| l.session) {
+                    edges.entry(w).or_default().extend(holders.iter().copied());
+                    if !holders.is_empty() {
+                        shared_waiters.insert(w);
+                    }
+                }
+            }
+        }
         for &s in edges.keys() {
             let mut seen = BTreeSet::new();
             let mut stack: Vec<u64> = edges[&s].iter().copied().collect();
@@ -349,6 +439,7 @@ impl Model {
                 s
             );
             self.deadlock_checks += u64::from(cyclic);
+            self.shared_cycles += u64::from(cyclic && shared_waiters.contains(&s));
         }
         // No gang is held in part: a granted gang holds every member, with its own leases.
         for (id, g) in &self.core.gangs {
@@ -368,6 +459,37 @@ impl Model {
                     );
                     prop_assert!(!held, "waiting gang {id} holds {m} in part");
                 }
+            }
+        }
+        // Gangs of the version-2 kinds: a granted one holds every member (each a live
+        // lease of its kind), a waiting one none, and no member lives without its gang.
+        for (id, g) in &self.core.kgangs {
+            for m in &g.members {
+                let l = self.core.kl.get(m);
+                let held = l.is_some_and(|l| l.granted)
+                    && match g.kind {
+                        // (The planted TTL bug grants in the registry only.)
+                        LeaseKind::Ttl => {
+                            self.planted.ttl_ignores_holder || self.core.ttl.get(*m).is_some()
+                        }
+                        _ => self.core.shared.is_holder(*m),
+                    };
+                if g.granted {
+                    prop_assert!(held, "gang {id} granted without its member {m}");
+                } else {
+                    prop_assert!(!held, "waiting gang {id} holds {m} in part");
+                }
+            }
+        }
+        for (id, l) in &self.core.kl {
+            if let Some(g) = l.gang {
+                prop_assert!(
+                    self.core
+                        .kgangs
+                        .get(&g)
+                        .is_some_and(|x| x.members.contains(id)),
+                    "gang member {id} lives without its gang {g}"
+                );
             }
         }
         for r in SHARED {
@@ -392,6 +514,7 @@ impl Model {
             let planted = p.grant_not_persisted
                 || p.ttl_ignores_holder
                 || p.gang_partial
+                || p.kind_gang_partial
                 || p.stale_wait_edges;
             if planted {
                 // A planted bug leaves the kinds' tables inconsistent on purpose.
@@ -492,6 +615,23 @@ impl Model {
                     ..AcquireExt::default()
                 };
                 self.req(c, acquire("g", c, true, ext))?;
+            }
+            Op::KindGang(c, mask, sh, timed, w) => {
+                let names = if sh { SHARED } else { TTLS };
+                let members: Vec<String> = names
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| mask & (1 << i) != 0)
+                    .map(|(_, r)| r.to_string())
+                    .collect();
+                let ext = AcquireExt {
+                    gang: Some(members),
+                    mode: sh.then_some(Mode::Shared),
+                    ttl_ms: (!sh || timed).then_some(350),
+                    timeout_ms: w.then_some(600),
+                    ..AcquireExt::default()
+                };
+                self.req(c, acquire(if sh { "gs" } else { "gt" }, c, true, ext))?;
             }
             Op::ReleaseRes(c, r) => self.req(c, Request::release(ALL[usize::from(r)]))?,
             Op::ReleaseId(c, p) => {
@@ -682,6 +822,7 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
     let planted_any = planted.grant_not_persisted
         || planted.ttl_ignores_holder
         || planted.gang_partial
+        || planted.kind_gang_partial
         || planted.stale_wait_edges
         || overlap;
     let mut runner = if planted_any {
@@ -698,6 +839,8 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
     let grants = std::sync::atomic::AtomicU64::new(0);
     let held = std::sync::atomic::AtomicU64::new(0);
     let cycles = std::sync::atomic::AtomicU64::new(0);
+    let shared_cycles = std::sync::atomic::AtomicU64::new(0);
+    let kind_gangs = std::sync::Mutex::new((0u64, 0u64));
     runner
         .run(&proptest::collection::vec(op(), 1..150), |ops| {
             let mut m = Model::new(planted, overlap);
@@ -708,6 +851,11 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
             grants.fetch_add(m.grants.len() as u64, std::sync::atomic::Ordering::Relaxed);
             held.fetch_add(m.held_seen, std::sync::atomic::Ordering::Relaxed);
             cycles.fetch_add(m.deadlock_checks, std::sync::atomic::Ordering::Relaxed);
+            shared_cycles.fetch_add(m.shared_cycles, std::sync::atomic::Ordering::Relaxed);
+            if let Ok(mut k) = kind_gangs.lock() {
+                k.0 += m.kind_gangs.0;
+                k.1 += m.kind_gangs.1;
+            }
             Ok(())
         })
         .map_err(|e| e.to_string())?;
@@ -717,10 +865,23 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
         return Err(format!("only {g} version-2 grants in {cases} histories"));
     }
     let h = held.into_inner();
-    let clean =
-        !(planted.grant_not_persisted || planted.ttl_ignores_holder || planted.gang_partial);
+    let clean = !(planted.grant_not_persisted
+        || planted.ttl_ignores_holder
+        || planted.gang_partial
+        || planted.kind_gang_partial);
     if cycles.into_inner() == 0 && clean && !overlap {
         return Err("no history reached a deadlock: the graph check is vacuous".into());
+    }
+    let sc = shared_cycles.into_inner();
+    if sc == 0 && clean && !overlap {
+        return Err("no history reached a deadlock through a shared-kind queue".into());
+    }
+    let (kt, ks) = kind_gangs.into_inner().unwrap_or_default();
+    if clean && !overlap && (kt < u64::from(cases) / 10 || ks < u64::from(cases) / 10) {
+        return Err(format!(
+            "only {kt} TTL and {ks} shared gangs granted in {cases} histories: the gang \
+             checks are nearly vacuous"
+        ));
     }
     if h < 10 * u64::from(cases) {
         return Err(format!(
@@ -766,6 +927,16 @@ fn the_model_catches_readers_beside_a_writer() {
 fn the_model_catches_a_gang_held_in_part() {
     let p = Planted {
         gang_partial: true,
+        ..Planted::default()
+    };
+    let e = run_histories(300, p, false).unwrap_err();
+    assert!(e.contains("without its member"), "{e}");
+}
+
+#[test]
+fn the_model_catches_a_ttl_or_shared_gang_held_in_part() {
+    let p = Planted {
+        kind_gang_partial: true,
         ..Planted::default()
     };
     let e = run_histories(300, p, false).unwrap_err();

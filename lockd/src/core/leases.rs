@@ -47,6 +47,10 @@ pub struct KindLease {
     /// Bound shared leases: revoked (the lease ends when its session does).
     #[serde(default)]
     pub revoked: Option<String>,
+    /// Member of the gang with this id (the gang's id is its first member's lease id):
+    /// the gang's members share its token, are granted, renewed and end together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gang: Option<u64>,
     /// The session its events go to (None: nobody is connected for it). Not persisted.
     #[serde(skip)]
     pub session: Option<SessionId>,
@@ -71,6 +75,7 @@ impl KindLease {
             bound: false,
             granted: false,
             revoked: None,
+            gang: None,
             session: None,
             reclaim_deadline: None,
         }
@@ -112,7 +117,7 @@ impl Core {
         {
             return Some(LeaseKind::Ttl);
         }
-        if self.shared.in_use(r) {
+        if self.shared.in_use(r) || self.shared_gang_waits.contains_key(r) {
             return Some(LeaseKind::Shared);
         }
         if self.pools.contains_key(r) {
@@ -222,6 +227,7 @@ impl Core {
             kind: Some(l.kind),
             mode: l.mode,
             ttl_ms: l.ttl_ms,
+            gang_id: l.gang,
             ..LeaseFields::default()
         };
         match l.kind {
@@ -278,7 +284,21 @@ impl Core {
     /// Forget lease `id` (live or waiting) after its kind's table ended it; a granted one
     /// leaves a tombstone, counts, and is announced. `tell` sends `lease_ended` to its
     /// session (an end it did not ask for).
+    /// A gang member's end ends its gang whole, with the same reason.
     pub(super) fn forget(&mut self, now: Now, id: u64, why: EndWhy, tell: bool) {
+        let gone = self.kl.get(&id).filter(|l| l.gang.is_some()).cloned();
+        if let Some(l) = &gone {
+            self.kgang_tell_lost(l.gang.unwrap_or(id), l, &why);
+        }
+        self.forget_one(now, id, why.clone(), tell);
+        if let Some(l) = gone {
+            if let Some(gid) = l.gang {
+                self.kgang_member_gone(now, gid, id, &l, &why);
+            }
+        }
+    }
+
+    fn forget_one(&mut self, now: Now, id: u64, why: EndWhy, tell: bool) {
         self.note_lease(id);
         let Some(l) = self.kl.remove(&id) else {
             return;
@@ -449,11 +469,35 @@ impl Core {
         self.end_by_id(now, s, id);
     }
 
-    /// End (or withdraw) lease `id` at its holder's request and answer `s`.
+    /// End (or withdraw) lease `id` at its holder's request and answer `s` (a gang member:
+    /// its whole gang, answered per member).
     fn end_by_id(&mut self, now: Now, s: SessionId, id: u64) {
         let Some(l) = self.kl.get(&id).cloned() else {
             return;
         };
+        if let Some(g) = l.gang.and_then(|g| self.kgangs.get(&g)) {
+            let label = g.label.clone();
+            let members: Vec<(u64, KindLease)> = g
+                .members
+                .iter()
+                .filter_map(|m| self.kl.get(m).map(|x| (*m, x.clone())))
+                .collect();
+            self.kgang_end(now, l.gang.unwrap_or(id), EndWhy::Released);
+            if !l.granted {
+                return self.send(s, Event::Cancelled { resource: label });
+            }
+            for (m, x) in members {
+                self.send(
+                    s,
+                    Event::Released {
+                        resource: x.resource,
+                        epoch: x.epoch,
+                        lease_id: Some(m),
+                    },
+                );
+            }
+            return;
+        }
         match l.kind {
             LeaseKind::Ttl => self.ttl_end(now, id, EndWhy::Released),
             LeaseKind::Shared => self.shared_end(now, id, EndWhy::Released, false),
@@ -572,6 +616,9 @@ impl Core {
         let Some(l) = self.kl.get(&id).cloned() else {
             return;
         };
+        if let Some(g) = l.gang.filter(|g| self.kgangs.contains_key(g)) {
+            return self.kgang_renew(now, s, g, ttl_ms);
+        }
         match l.kind {
             LeaseKind::Ttl => self.ttl_renew(now, s, id, ttl_ms),
             LeaseKind::Shared => self.shared_renew(now, s, id, ttl_ms),
@@ -593,10 +640,17 @@ impl Core {
 
     /// `resume`: bind a live lease's events to this connection (after the client's crash or
     /// reconnect); a restored connection-bound shared lease is reclaimed by it.
+    /// A gang member resumes its whole gang (`granted`, reclaimed, per member).
     pub(super) fn resume(&mut self, now: Now, s: SessionId, id: u64, token: String) {
         if !self.check_lease(s, id, &token) {
             return;
         }
+        for m in self.gang_of(id) {
+            self.resume_one(now, s, m, &token);
+        }
+    }
+
+    fn resume_one(&mut self, now: Now, s: SessionId, id: u64, token: &str) {
         let Some(l) = self.kl.get(&id).cloned() else {
             return;
         };
@@ -613,7 +667,7 @@ impl Core {
             if let Err(e) = self
                 .pools
                 .get(&l.resource)
-                .map(|p| p.resume(super::quantity::qnow(now), id, &token))
+                .map(|p| p.resume(super::quantity::qnow(now), id, token))
                 .unwrap_or(Err(crate::kinds::quantity::QuantityError::UnknownLease(id)))
             {
                 return self.error(s, ErrorCode::LeaseEnded, e.to_string(), Some(&l.resource));
@@ -632,6 +686,9 @@ impl Core {
         if let Some(x) = self.kl.get_mut(&id) {
             x.session = Some(s);
             x.reclaim_deadline = None;
+            if x.kind == LeaseKind::Shared {
+                self.graph.shared_touched.push(id);
+            }
         }
         if let Some(sess) = self.sessions.get_mut(&s) {
             sess.leases.insert(id);

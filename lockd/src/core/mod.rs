@@ -23,6 +23,7 @@ mod deadlock;
 mod delta;
 mod exclusive;
 mod gang;
+mod kgang;
 #[cfg(test)]
 mod kinds_model;
 mod leases;
@@ -216,8 +217,12 @@ pub struct Core {
     graph: deadlock::GraphSync,
     /// Gangs granted or waiting, by gang id.
     gangs: BTreeMap<u64, gang::Gang>,
-    /// Deadlines of waiting gangs with a timeout: (deadline, gang id).
+    /// Deadlines of waiting gangs with a timeout (of every kind): (deadline, gang id).
     gang_deadlines: BTreeSet<(Instant, u64)>,
+    /// Gangs of the version-2 kinds (TTL, shared), granted or waiting, by gang id.
+    kgangs: BTreeMap<u64, kgang::KindGang>,
+    /// Members of waiting shared gangs per resource (lease ids: arrival order).
+    shared_gang_waits: BTreeMap<String, BTreeSet<u64>>,
     /// Counters per version-2 kind (persisted).
     counters_by_kind: BTreeMap<LeaseKind, crate::proto::KindCounters>,
     /// Planted bugs, for the property test's proof that it catches them.
@@ -327,6 +332,8 @@ impl Core {
             counters_by_kind: state.counters_by_kind,
             gangs: BTreeMap::new(),
             gang_deadlines: BTreeSet::new(),
+            kgangs: BTreeMap::new(),
+            shared_gang_waits: BTreeMap::new(),
             waitfor: crate::kinds::waitfor::WaitForGraph::new(),
             graph: deadlock::GraphSync::default(),
             reservations: BTreeMap::new(),
@@ -348,6 +355,7 @@ impl Core {
             dirty: false,
             notes: delta::Notes::default(),
         };
+        core.kgang_restore();
         // What ended while lockd was down ends now (tombstones, counters, grants to
         // nobody: waiters are not persisted), and the offers file is applied.
         for e in ttl_ended {
@@ -459,6 +467,7 @@ impl Core {
                 }
             }
         }
+        self.kgang_pass(now);
         self.deadlock_pass(now);
         let mut out = Vec::new();
         if self.dirty {
@@ -534,6 +543,15 @@ impl Core {
 
     fn request(&mut self, now: Now, s: SessionId, req: Request) {
         match req {
+            Request::Acquire {
+                resource,
+                holder,
+                wait,
+                ext,
+            } if ext.gang.is_some() && ext.kind() != LeaseKind::Exclusive => {
+                let members = ext.gang.clone().unwrap_or_default();
+                self.kgang_acquire(now, s, resource, holder, members, wait, ext)
+            }
             Request::Acquire {
                 resource,
                 holder,
@@ -714,6 +732,8 @@ pub(crate) struct Planted {
     pub ttl_ignores_holder: bool,
     /// A waiting gang is granted the members that are free, without waiting for the rest.
     pub gang_partial: bool,
+    /// The same for gangs of the version-2 kinds (TTL, shared).
+    pub kind_gang_partial: bool,
     /// The wait-for graph forgets to drop the edge of a waiter that left.
     pub stale_wait_edges: bool,
 }

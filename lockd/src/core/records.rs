@@ -329,12 +329,22 @@ fn validate(st: &PersistedState) -> Result<(), String> {
             }
         }
     }
-    for id in st.kind_leases.keys() {
+    for (id, l) in &st.kind_leases {
         if *id == 0 || *id > st.last_lease_id || !ids.insert(*id) {
             return Err(format!(
                 "version-2 lease id {id} is 0, repeated or above the last lease id {}",
                 st.last_lease_id
             ));
+        }
+        // A gang is written whole: its id is its first member, of the same kind and token.
+        if let Some(g) = l.gang {
+            let first = st.kind_leases.get(&g);
+            if g > *id
+                || !first
+                    .is_some_and(|f| f.gang == Some(g) && f.kind == l.kind && f.token == l.token)
+            {
+                return Err(format!("version-2 lease {id}: gang {g} is not whole"));
+            }
         }
     }
     Ok(())

@@ -81,8 +81,9 @@ impl Core {
         }
     }
 
-    /// A grant by the shared table: durable, announced, its TTL started if timed.
-    fn shared_granted(&mut self, now: Now, g: Grant) {
+    /// A grant by the shared table: durable, announced (a gang member by its gang's
+    /// `gang_granted`), its TTL started if timed.
+    pub(super) fn shared_granted(&mut self, now: Now, g: Grant) {
         self.mark_granted(now, g.id, g.epoch);
         let Some(l) = self.kl.get(&g.id).cloned() else {
             return;
@@ -103,7 +104,7 @@ impl Core {
                 self.shared_end(now, e.id, EndWhy::Expired, true);
             }
         }
-        if let Some(ev) = self.granted_event(g.id, false) {
+        if let Some(ev) = self.granted_event(g.id, false).filter(|_| l.gang.is_none()) {
             self.send_to_lease(g.id, ev);
         }
     }
@@ -155,6 +156,19 @@ impl Core {
         self.counters.revocations += 1;
         self.kind_counters(LeaseKind::Shared).revocations += 1;
         self.dirty = true;
+        if let Some(gang_id) = l.gang {
+            // A member of a bound shared gang: named to the holder, which fences it (the
+            // gang ends whole when its session does).
+            self.send_to_lease(
+                id,
+                Event::MemberLost {
+                    gang_id,
+                    resource: l.resource.clone(),
+                    epoch: l.epoch,
+                    reason: text.clone(),
+                },
+            );
+        }
         self.send_to_lease(
             id,
             Event::Revoked {
@@ -254,6 +268,10 @@ impl Core {
         self.table.note(&l.resource);
         match self.shared.commit(id) {
             Ok(version) => {
+                // Requests parked for this version are queued now: the wait-for graph
+                // looks at the queue again.
+                let (queued, _) = self.shared.waiters(&l.resource);
+                self.graph.shared_touched.extend(queued);
                 self.kind_counters(LeaseKind::Shared).commits += 1;
                 self.dirty = true;
                 self.send(

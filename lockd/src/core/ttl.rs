@@ -66,10 +66,11 @@ impl Core {
         }
     }
 
-    /// Grant registered request `id` (its resource has no live TTL lease).
-    fn ttl_grant(&mut self, now: Now, id: u64) {
+    /// Grant registered request `id` (its resource has no live TTL lease); false if it could
+    /// not be. A gang member's grant is announced by the gang's `gang_granted`.
+    pub(super) fn ttl_grant(&mut self, now: Now, id: u64) -> bool {
         let Some(l) = self.kl.get(&id).cloned() else {
-            return;
+            return false;
         };
         let epoch = self.next_epoch(&l.resource);
         #[cfg(test)]
@@ -77,10 +78,10 @@ impl Core {
             // The planted bug: a second table entry would be refused by the table itself,
             // so it is granted in the registry only (what a core without the check would do).
             self.mark_granted(now, id, epoch);
-            if let Some(ev) = self.granted_event(id, false) {
+            if let Some(ev) = self.granted_event(id, false).filter(|_| l.gang.is_none()) {
                 self.send_to_lease(id, ev);
             }
-            return;
+            return true;
         }
         let out = self.ttl.acquire(
             TtlRequest {
@@ -99,9 +100,10 @@ impl Core {
         match out.result {
             Ok(_) => {
                 self.mark_granted(now, id, epoch);
-                if let Some(ev) = self.granted_event(id, false) {
+                if let Some(ev) = self.granted_event(id, false).filter(|_| l.gang.is_none()) {
                     self.send_to_lease(id, ev);
                 }
+                true
             }
             Err(e) => {
                 // Cannot happen (the resource was checked free, ids are fresh): refuse
@@ -110,14 +112,20 @@ impl Core {
                     self.error(s, ErrorCode::WrongLease, e.to_string(), Some(&l.resource));
                 }
                 self.forget(now, id, EndWhy::Released, false);
+                false
             }
         }
     }
 
-    /// Grant the first waiter of `resource` if no TTL lease holds it.
-    fn ttl_grant_next(&mut self, now: Now, resource: &str) {
+    /// Grant the first waiter of `resource` if no TTL lease holds it. A gang member first
+    /// in line keeps the resource reserved until its whole gang can be granted.
+    pub(super) fn ttl_grant_next(&mut self, now: Now, resource: &str) {
         if self.ttl.holder_of(resource).is_some() {
             return;
+        }
+        let first = self.ttl_waiters.get(resource).and_then(|q| q.first());
+        if let Some(gid) = first.and_then(|id| self.kl.get(id)).and_then(|l| l.gang) {
+            return self.kgang_try_ttl(now, gid);
         }
         let next = self
             .ttl_waiters
@@ -132,7 +140,7 @@ impl Core {
     }
 
     /// The table ended a lease by itself (its TTL ran out).
-    fn ttl_ended(&mut self, now: Now, e: Ended) {
+    pub(super) fn ttl_ended(&mut self, now: Now, e: Ended) {
         let why = match e.reason {
             EndReason::Released => EndWhy::Released,
             EndReason::Expired => EndWhy::Expired,
@@ -155,6 +163,8 @@ impl Core {
                 }
             }
             self.forget(now, id, EndWhy::Released, false);
+            // It may have kept the resource reserved (a gang member first in line).
+            self.ttl_grant_next(now, &l.resource);
             return;
         }
         self.note_lease(id);

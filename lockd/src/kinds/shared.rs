@@ -478,6 +478,14 @@ impl SharedTable {
             .is_some_and(|r| !r.holders.is_empty() || !r.queue.is_empty() || !r.parked.is_empty())
     }
 
+    /// Whether a new shared request on `resource` would be granted at once: no exclusive
+    /// holder and nobody waiting in its queue (writer priority: a waiting writer blocks it).
+    pub fn admits_reader(&self, resource: &str) -> bool {
+        self.resources
+            .get(resource)
+            .is_none_or(|r| r.exclusive.is_none() && r.queue.is_empty())
+    }
+
     /// The resource's version (0 if never used).
     pub fn version(&self, resource: &str) -> u64 {
         self.resources.get(resource).map_or(0, |r| r.version)
@@ -514,6 +522,11 @@ impl SharedTable {
             r.parked.iter().map(|((_, s), w)| (*s, w.id)).collect();
         parked.sort();
         (queued, parked.into_iter().map(|(_, id)| id).collect())
+    }
+
+    /// Whether `id` waits in its resource's queue (not parked for a version).
+    pub fn is_queued(&self, id: LeaseId) -> bool {
+        matches!(self.index.get(&id), Some((_, Place::Queued(_))))
     }
 
     /// Whether `id` holds a lease (as opposed to waiting or unknown).

@@ -33,6 +33,7 @@ mod holder_pgroup_sigkill;
 mod journal;
 mod json_logs;
 mod kinds_compat;
+mod kinds_gang;
 mod kinds_quantity;
 mod kinds_shared;
 mod kinds_ttl;
