@@ -29,8 +29,12 @@
 //! per lease: every shared-kind lease noted in a step has its role in the graph (holds `r`
 //! for session `h`, waits for `r` from session `w`, or none) compared at the end of the step
 //! with the one the graph has ([`SharedSynced`], `GraphSync::roles`), O(log n) per changed
-//! lease; only a resource whose waiters go from none to some (or back) adds (removes) its
-//! `r -> h` edges, one per holding session.
+//! lease; only a resource whose waiters with an edge go from none to some (or back) adds
+//! (removes) its `r -> h` edges, one per holding session. As for the version-1 waits, a
+//! waiting session has its edge `w -> r` only while it holds something (`SharedSynced::live`;
+//! a session whose count of held resources flips gets its shared waits' edges, or loses
+//! them, through `GraphSync::shared_waits_of`): the readers of a mass release and the
+//! writers waiting for them cost the graph nothing.
 //!
 //! Not in the graph, and why: **TTL leases** (and timed shared leases as holders) are bound
 //! to no session — they end by themselves when not renewed, whoever renewed them, so a
@@ -89,10 +93,13 @@ pub(super) struct SharedSynced {
     /// Its node id while it has an edge (0: none).
     node: u64,
     /// Connection-bound holder leases per session (a session holds `r` while it has one:
-    /// counted in the sessions' holds, and `r -> h` while `waits` is not empty).
+    /// counted in the sessions' holds, and `r -> h` while `live` is not empty).
     holders: BTreeMap<SessionId, u32>,
-    /// Waiting leases per session (an edge `w -> r` while it has one).
+    /// Waiting leases per session.
     waits: BTreeMap<SessionId, u32>,
+    /// The waiting sessions with an edge `w -> r`: those that hold something (the others
+    /// cannot lie on a cycle, as for the version-1 waits).
+    live: std::collections::BTreeSet<SessionId>,
 }
 
 /// What one shared-kind lease is to the graph.
@@ -161,6 +168,9 @@ pub(super) struct GraphSync {
     shared: BTreeMap<String, SharedSynced>,
     /// The role each shared-kind lease has in the graph, with its resource.
     roles: BTreeMap<u64, (String, Role)>,
+    /// The shared-kind resources each session waits for (for the sessions whose count of
+    /// held resources flips: their `w -> r` edges come or go).
+    shared_waits_of: IdMap<SessionId, Vec<String>>,
     /// Shared-kind leases noted in this step (ids, maybe repeated).
     pub shared_touched: Vec<u64>,
 }
@@ -261,6 +271,13 @@ impl Core {
             for r in &cand {
                 self.sync_wait(w, r);
             }
+            cand.clear();
+            if let Some(v) = self.graph.shared_waits_of.get(&w) {
+                cand.extend(v.iter().cloned());
+            }
+            for r in &cand {
+                self.sync_shared_wait(w, r);
+            }
         }
         // The `r -> h` edges of every resource whose holder or `w -> r` edges changed.
         for (i, r) in names.iter().enumerate() {
@@ -271,6 +288,12 @@ impl Core {
         let mut recheck = std::mem::take(&mut self.graph.recheck);
         for r in &recheck {
             self.sync_hold(r);
+        }
+        // An edge both added and removed in this pass (a session that started waiting and
+        // stopped holding in one step, say) is netted out first: the graph counts edges, and
+        // applying every removal before every addition would otherwise leave it behind.
+        if !self.graph.removals.is_empty() && !self.graph.additions.is_empty() {
+            self.net_edits();
         }
         // Removals first, then additions (the cycles they close).
         let mut cycles = Vec::new();
@@ -434,7 +457,7 @@ impl Core {
                     if bump(&mut g.held, h, true) {
                         g.flipped.push(h);
                     }
-                    if !sy.waits.is_empty() {
+                    if !sy.live.is_empty() {
                         let rn = node(sy, &mut g.next_res_node, &mut g.res_of_node);
                         g.additions.push((rn, h));
                     }
@@ -454,7 +477,7 @@ impl Core {
                     if bump(&mut g.held, h, false) {
                         g.flipped.push(h);
                     }
-                    if !sy.waits.is_empty() {
+                    if !sy.live.is_empty() {
                         g.removals.push((sy.node, h));
                     }
                 }
@@ -463,10 +486,14 @@ impl Core {
                 let n = sy.waits.entry(w).or_insert(0);
                 *n += 1;
                 if *n == 1 {
-                    let rn = node(sy, &mut g.next_res_node, &mut g.res_of_node);
-                    g.additions.push((w, rn));
-                    if sy.waits.len() == 1 {
-                        g.additions.extend(sy.holders.keys().map(|h| (rn, *h)));
+                    g.shared_waits_of.entry(w).or_default().push(r.to_string());
+                    if g.held.contains_key(&w) {
+                        let rn = node(sy, &mut g.next_res_node, &mut g.res_of_node);
+                        g.additions.push((w, rn));
+                        sy.live.insert(w);
+                        if sy.live.len() == 1 {
+                            g.additions.extend(sy.holders.keys().map(|h| (rn, *h)));
+                        }
                     }
                 }
             }
@@ -481,19 +508,88 @@ impl Core {
                 };
                 if gone {
                     sy.waits.remove(&w);
-                    g.removals.push((w, sy.node));
-                    if sy.waits.is_empty() {
-                        g.removals.extend(sy.holders.keys().map(|h| (sy.node, *h)));
+                    if let Some(v) = g.shared_waits_of.get_mut(&w) {
+                        v.retain(|x| x != r);
+                        if v.is_empty() {
+                            g.shared_waits_of.remove(&w);
+                        }
+                    }
+                    if sy.live.remove(&w) {
+                        g.removals.push((w, sy.node));
+                        if sy.live.is_empty() {
+                            g.removals.extend(sy.holders.keys().map(|h| (sy.node, *h)));
+                        }
                     }
                 }
             }
         }
-        if sy.waits.is_empty() && sy.node != 0 {
+        if sy.live.is_empty() && sy.node != 0 {
             g.res_of_node.remove(&sy.node);
             sy.node = 0;
         }
         if sy.waits.is_empty() && sy.holders.is_empty() {
             g.shared.remove(r);
+        }
+    }
+
+    /// Cancels every removal against an addition of the same edge in this pass (edges are
+    /// counted: what is left is the pass's net change, in the order the lists had).
+    fn net_edits(&mut self) {
+        let g = &mut self.graph;
+        let mut net: BTreeMap<(u64, u64), i64> = BTreeMap::new();
+        for e in &g.removals {
+            *net.entry(*e).or_default() -= 1;
+        }
+        for e in &g.additions {
+            *net.entry(*e).or_default() += 1;
+        }
+        g.removals.retain(|e| match net.get_mut(e) {
+            Some(n) if *n < 0 => {
+                *n += 1;
+                true
+            }
+            _ => false,
+        });
+        g.additions.retain(|e| match net.get_mut(e) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                true
+            }
+            _ => false,
+        });
+    }
+
+    /// Brings the edge `w -> r` of shared-kind resource `r` in line: wanted while `w` waits
+    /// for `r` and holds something (its count of held resources flipped in this pass).
+    fn sync_shared_wait(&mut self, w: SessionId, r: &str) {
+        let g = &mut self.graph;
+        let holding = g.held.contains_key(&w);
+        let Some(sy) = g.shared.get_mut(r) else {
+            return;
+        };
+        let want = holding && sy.waits.contains_key(&w);
+        if want == sy.live.contains(&w) {
+            return;
+        }
+        if want {
+            if sy.node == 0 {
+                g.next_res_node += 1;
+                sy.node = RESOURCE_BIT | g.next_res_node;
+                g.res_of_node.insert(sy.node, r.to_string());
+            }
+            g.additions.push((w, sy.node));
+            sy.live.insert(w);
+            if sy.live.len() == 1 {
+                g.additions.extend(sy.holders.keys().map(|h| (sy.node, *h)));
+            }
+        } else {
+            g.removals.push((w, sy.node));
+            sy.live.remove(&w);
+            if sy.live.is_empty() {
+                g.removals.extend(sy.holders.keys().map(|h| (sy.node, *h)));
+                g.res_of_node.remove(&sy.node);
+                sy.node = 0;
+            }
         }
     }
 
@@ -727,6 +823,42 @@ mod tests {
         }
         assert!(h.core.graph.res_of_node.is_empty());
         assert!(h.core.graph.edges_of.is_empty());
+    }
+
+    #[test]
+    fn shared_waiters_that_hold_nothing_cost_the_graph_nothing() {
+        // The mass hand-over of shared readers: nine readers per resource, a writer waiting
+        // for each; nobody waits while holding something, so no edge at any point.
+        let mut h = H::new();
+        let mut s = 0;
+        for r in 0..4 {
+            for _ in 0..9 {
+                s += 1;
+                h.connect(s, "unix");
+                h.req(
+                    s,
+                    acq_shared(&format!("s{r}"), &format!("r{s}"), true, None),
+                );
+            }
+        }
+        for r in 0..4 {
+            s += 1;
+            h.connect(s, "unix");
+            h.req(
+                s,
+                acq_shared(&format!("s{r}"), &format!("w{s}"), false, None),
+            );
+        }
+        assert_eq!(h.core.waitfor.edge_count(), 0);
+        for reader in 1..=36 {
+            h.step(Input::Disconnect { session: reader });
+            assert_eq!(h.core.waitfor.edge_count(), 0, "after reader {reader}");
+        }
+        // A writer that holds something and waits does get its edges: w37 (granted s0)
+        // now waits for s1, held by w38.
+        h.req(37, acq_shared("s1", "w37", false, None));
+        assert_eq!(h.core.waitfor.edge_count(), 2, "37 -> s1 -> 38");
+        assert!(h.core.graph.shared_waits_of.contains_key(&37));
     }
 
     #[test]
