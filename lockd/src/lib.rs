@@ -8,6 +8,7 @@
 //! * [`client`]: the async client library used by the supervisor and `lockd hold`.
 //! * [`lease_client`]: the async client for the version-2 lease kinds (TTL, shared, quantity).
 
+mod anchor;
 pub mod client;
 pub mod core;
 pub mod etcd;

@@ -19,6 +19,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::Notify;
 use tracing::{debug, error, info, warn};
 
+use crate::anchor::{self, check_anchor, AnchorKind, MAX_PENDING_FDS};
 use crate::core::{Config, Core, Input, Now, Output, SessionId};
 // Session ids are lockd's own counter: no need for SipHash's flood resistance.
 use crate::kinds::waitfor::IdMap;
@@ -696,12 +697,6 @@ impl ConnRead for tokio::net::tcp::OwnedReadHalf {
     const TRANSPORT: &'static str = "tcp";
 }
 
-/// Room for descriptors in one read: the kernel's limit per message (`SCM_MAX_FD`), so the
-/// control buffer is never truncated. A truncated one (MSG_CTRUNC) cannot be walked with nix,
-/// and the descriptors the kernel did install in it would leak; these are all owned, and
-/// `conn` closes those past [`MAX_PENDING_FDS`].
-const MAX_FDS_PER_READ: usize = 253;
-
 impl ConnRead for tokio::net::unix::OwnedReadHalf {
     fn readable(&self) -> impl Future<Output = std::io::Result<()>> + '_ {
         // As for TCP: the socket's reader slot, no waiter node.
@@ -713,123 +708,21 @@ impl ConnRead for tokio::net::unix::OwnedReadHalf {
         buf: &mut [u8],
         fds: &mut Vec<std::os::fd::OwnedFd>,
     ) -> std::io::Result<usize> {
-        use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
-        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+        use std::os::fd::AsRawFd;
         let s: &tokio::net::UnixStream = self.as_ref();
-        {
-            s.try_io(tokio::io::Interest::READABLE, || {
-                let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS_PER_READ]);
-                let mut iov = [std::io::IoSliceMut::new(&mut *buf)];
-                let msg = recvmsg::<()>(
-                    s.as_raw_fd(),
-                    &mut iov,
-                    Some(&mut cmsg),
-                    MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT,
-                )
-                .map_err(std::io::Error::from)?;
-                if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
-                    warn!("more descriptors than one read takes; the excess was dropped");
-                }
-                if let Ok(cmsgs) = msg.cmsgs() {
-                    for c in cmsgs {
-                        if let ControlMessageOwned::ScmRights(v) = c {
-                            // SAFETY: the kernel just installed these descriptors in this
-                            // process for us; nobody else owns them.
-                            fds.extend(v.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
-                        }
-                    }
-                }
-                Ok(msg.bytes)
-            })
-        }
+        s.try_io(tokio::io::Interest::READABLE, || {
+            anchor::recv_with_fds(s.as_raw_fd(), &mut *buf, fds)
+        })
     }
     const CARRIES_FDS: bool = true;
     const TRANSPORT: &'static str = "unix";
 }
 
-/// Descriptors received on one connection and not yet claimed by an `anchor` request.
-const MAX_PENDING_FDS: usize = 4;
-
-/// What an anchor descriptor is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum AnchorKind {
-    /// One end of a stream socket pair: closed at end-of-file, when every process holding the
-    /// other end has closed it or died.
-    Socket,
-    /// A pidfd: closed when that process has exited. The kernel reports it only after the
-    /// process released its files (GPU device files included), so no window is left.
-    Process,
-}
-
-/// Check that `fd` can be an anchor: a stream (or seqpacket) socket, or a pidfd.
-fn check_anchor(fd: &std::os::fd::OwnedFd) -> Result<AnchorKind, String> {
-    use nix::sys::socket::{getsockopt, sockopt, SockType};
-    use std::os::fd::AsRawFd;
-    match getsockopt(fd, sockopt::SockType) {
-        Ok(SockType::Stream) | Ok(SockType::SeqPacket) => Ok(AnchorKind::Socket),
-        Ok(t) => Err(format!(
-            "the descriptor is a {t:?} socket, not a stream socket"
-        )),
-        Err(e) => {
-            let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-                .map(|p| p.display().to_string())
-                .unwrap_or_default();
-            if link == "anon_inode:[pidfd]" {
-                Ok(AnchorKind::Process)
-            } else {
-                Err(format!("the descriptor is not a socket ({e}) nor a pidfd"))
-            }
-        }
-    }
-}
-
-/// Watch an anchor until it closes (see [`AnchorKind`]), then tell the core. Data written into
-/// a socket anchor is read and dropped.
+/// Watch an anchor until it closes, then tell the core.
 async fn watch_anchor(d: Shared, session: SessionId, kind: AnchorKind, fd: std::os::fd::OwnedFd) {
-    use nix::sys::socket::{recv, MsgFlags};
-    use std::os::fd::AsRawFd;
-    // SAFETY: `fd` is an OwnedFd moved into the AsyncFd, which owns it until dropped.
-    let afd = unsafe {
-        tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
-    };
-    let why = match afd {
-        Err(e) => format!("cannot watch it: {e}"),
-        Ok(afd) => {
-            let mut sink = [0u8; 512];
-            loop {
-                let mut guard = match afd.readable().await {
-                    Ok(g) => g,
-                    Err(e) => break format!("watch failed: {e}"),
-                };
-                if kind == AnchorKind::Process {
-                    // Readable = exited (the readiness may be spurious: ask poll).
-                    if poll_in(afd.get_ref().as_raw_fd()) {
-                        break "process exited".to_string();
-                    }
-                    guard.clear_ready();
-                    continue;
-                }
-                match recv(afd.get_ref().as_raw_fd(), &mut sink, MsgFlags::MSG_DONTWAIT) {
-                    Ok(0) => break "eof".to_string(),
-                    Ok(_) => continue,
-                    Err(nix::errno::Errno::EAGAIN) => guard.clear_ready(),
-                    Err(nix::errno::Errno::EINTR) => continue,
-                    Err(e) => break format!("read failed: {e}"),
-                }
-            }
-        }
-    };
+    let why = anchor::closed(kind, fd).await;
     info!(session, kind = ?kind, reason = %why, "anchor closed");
     d.borrow_mut().feed(Input::AnchorClosed { session });
-}
-
-/// Whether `fd` polls readable right now.
-fn poll_in(fd: std::os::fd::RawFd) -> bool {
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    // SAFETY: `fd` is open for the duration of this call (owned by the caller's AsyncFd).
-    let bfd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    let mut fds = [PollFd::new(bfd, PollFlags::POLLIN)];
-    matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0)
 }
 
 /// Write all of `buf` to a shared write half.

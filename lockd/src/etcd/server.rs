@@ -9,7 +9,7 @@
 //! `status`, `revoke` and `watch` need across sessions.
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -23,6 +23,7 @@ use tracing::{debug, error, info, warn};
 use super::fence::{Fence, FenceInput, FenceOutput, LostCause};
 use super::mutex::{self, EtcdError, FencedPut, Standing};
 use super::{EtcdConfig, EtcdServeError};
+use crate::anchor::{self, MAX_PENDING_FDS};
 use crate::line::LineBuf;
 use crate::proto::{
     self, Counters, ErrorCode, Event, LeaseState, Notice, NoticeKind, PeerInfo, Request,
@@ -36,8 +37,6 @@ pub const ETCD_FEATURES: &[&str] = &["put_fenced"];
 const OUTBOUND_QUEUE: usize = 1024;
 /// Lock keys `status` reads at most.
 const STATUS_MAX_KEYS: i64 = 10_000;
-/// Descriptors received and not yet claimed by an `anchor` request.
-const MAX_PENDING_FDS: usize = 4;
 
 /// `put_fenced`: write `key = value` in etcd only while this connection owns `resource`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -453,7 +452,7 @@ impl Reader {
                     let s: &tokio::net::UnixStream = r.as_ref();
                     lb.read_with(|room| {
                         s.try_io(tokio::io::Interest::READABLE, || {
-                            recv_with_fds(s.as_raw_fd(), room, fds)
+                            anchor::recv_with_fds(s.as_raw_fd(), room, fds)
                         })
                     })
                 }
@@ -464,30 +463,6 @@ impl Reader {
             }
         }
     }
-}
-
-/// recvmsg: bytes into `buf`, descriptors (SCM_RIGHTS, close-on-exec) into `fds`.
-fn recv_with_fds(fd: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> std::io::Result<usize> {
-    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
-    let mut cmsg = nix::cmsg_space!([RawFd; 16]);
-    let mut iov = [std::io::IoSliceMut::new(buf)];
-    let msg = recvmsg::<()>(
-        fd,
-        &mut iov,
-        Some(&mut cmsg),
-        MsgFlags::MSG_CMSG_CLOEXEC | MsgFlags::MSG_DONTWAIT,
-    )
-    .map_err(std::io::Error::from)?;
-    if let Ok(cmsgs) = msg.cmsgs() {
-        for c in cmsgs {
-            if let ControlMessageOwned::ScmRights(v) = c {
-                // SAFETY: the kernel just installed these descriptors for us; nobody else
-                // owns them.
-                fds.extend(v.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
-            }
-        }
-    }
-    Ok(msg.bytes)
 }
 
 /// The write half of a connection.
@@ -502,71 +477,6 @@ impl Writer {
         match self {
             Writer::Unix(w) => w.write_all(b).await,
             Writer::Tcp(w) => w.write_all(b).await,
-        }
-    }
-}
-
-/// Whether an anchor descriptor is a stream socket (EOF = every holder of its peer gone) or a
-/// pidfd (readable = the process exited).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum AnchorKind {
-    Socket,
-    Process,
-}
-
-fn anchor_kind(fd: &OwnedFd) -> Result<AnchorKind, String> {
-    use nix::sys::socket::{getsockopt, sockopt, SockType};
-    match getsockopt(fd, sockopt::SockType) {
-        Ok(SockType::Stream) | Ok(SockType::SeqPacket) => Ok(AnchorKind::Socket),
-        Ok(t) => Err(format!(
-            "the descriptor is a {t:?} socket, not a stream socket"
-        )),
-        Err(e) => {
-            let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-                .map(|p| p.display().to_string())
-                .unwrap_or_default();
-            if link == "anon_inode:[pidfd]" {
-                Ok(AnchorKind::Process)
-            } else {
-                Err(format!("the descriptor is not a socket ({e}) nor a pidfd"))
-            }
-        }
-    }
-}
-
-async fn watch_anchor(kind: AnchorKind, fd: OwnedFd) -> String {
-    use nix::sys::socket::{recv, MsgFlags};
-    // SAFETY: `fd` is an OwnedFd moved into the AsyncFd, which owns it until dropped.
-    let afd = match unsafe {
-        tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
-    } {
-        Ok(a) => a,
-        Err(e) => return format!("cannot watch it: {e}"),
-    };
-    let mut sink = [0u8; 512];
-    loop {
-        let mut guard = match afd.readable().await {
-            Ok(g) => g,
-            Err(e) => return format!("watch failed: {e}"),
-        };
-        if kind == AnchorKind::Process {
-            use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-            let mut p = [PollFd::new(
-                std::os::fd::AsFd::as_fd(afd.get_ref()),
-                PollFlags::POLLIN,
-            )];
-            if matches!(poll(&mut p, PollTimeout::ZERO), Ok(n) if n > 0) {
-                return "process exited".into();
-            }
-            guard.clear_ready();
-            continue;
-        }
-        match recv(afd.get_ref().as_raw_fd(), &mut sink, MsgFlags::MSG_DONTWAIT) {
-            Ok(0) => return "eof".into(),
-            Ok(_) => continue,
-            Err(nix::errno::Errno::EAGAIN) => guard.clear_ready(),
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(e) => return format!("read failed: {e}"),
         }
     }
 }
@@ -980,7 +890,7 @@ impl Session {
             )
         } else {
             let fd = self.pending_fds.remove(0);
-            anchor_kind(&fd).map(|k| (k, fd))
+            anchor::check_anchor(&fd).map(|k| (k, fd))
         };
         match fd {
             Ok((kind, fd)) => {
@@ -991,7 +901,7 @@ impl Session {
                 info!(session = self.id, kind = ?kind, anchors = self.anchors, "anchor attached");
                 let tx = self.tx.clone();
                 tokio::spawn(async move {
-                    let why = watch_anchor(kind, fd).await;
+                    let why = anchor::closed(kind, fd).await;
                     let _ = tx.send(Msg::AnchorClosed { why });
                 });
                 self.send(
