@@ -744,61 +744,11 @@ async fn stopped_lockd_holder_fenced_by_its_watchdog_before_b_is_granted() {
     };
     let a = start(d.path(), "A", &etcd.client_url, FENCE_FLAGS, &[]);
     let b = start(d.path(), "B", &etcd.client_url, FENCE_FLAGS, &[]);
-    let ep: Endpoint = format!("unix:{}", a.sock.display()).parse().unwrap();
-    let limit = Duration::from_secs(1);
-    let mut holder = LockClient::connect(
-        &ep,
-        ClientOptions {
-            watchdog: Some(limit),
-            ..ClientOptions::default()
-        },
-    )
-    .await
-    .unwrap();
-    holder.acquire("engine", "ha", true).await.unwrap();
-    let ev = tokio::time::timeout(Duration::from_secs(5), holder.next_event())
-        .await
-        .unwrap();
-    let Some(LockEvent::Granted { epoch: ea, .. }) = ev else {
-        panic!("{ev:?}");
-    };
-    let mut w = Line::connect(&b.sock).unwrap();
-    w.acquire("engine", "hb");
-    w.recv_until("queued", Duration::from_secs(5)).unwrap();
-    let granted = arrival(w, "granted", Duration::from_secs(20));
+    let (mut holder, ea, granted) = watched_holder_and_waiter(&a, &b, Duration::from_secs(1)).await;
     tokio::time::sleep(Duration::from_millis(500 + rand_ms(500))).await;
     let t_stop = Instant::now();
     assert!(a.proc.signal(Signal::SIGSTOP));
-    let t_lost = loop {
-        let ev = tokio::time::timeout(Duration::from_secs(10), holder.next_event())
-            .await
-            .expect("the watchdog reports within 10 s");
-        match ev {
-            Some(LockEvent::Lost { .. }) => break Instant::now(),
-            Some(_) => continue,
-            None => panic!("client closed"),
-        }
-    };
-    let (t_granted, g, _w) = granted
-        .recv_timeout(Duration::from_secs(20))
-        .expect("B granted once A's etcd lease expired");
-    let _ = a.proc.signal(Signal::SIGCONT);
-    let eb = g["epoch"].as_u64().unwrap();
-    eprintln!(
-        "lockd A stopped: holder's watchdog reported lost {:.0} ms after the stop; B granted {:.0} ms after that (epoch {ea} -> {eb})",
-        (t_lost - t_stop).as_secs_f64() * 1e3,
-        (t_granted.saturating_duration_since(t_lost)).as_secs_f64() * 1e3
-    );
-    assert!(
-        t_lost < t_granted,
-        "B granted before the holder's watchdog fired"
-    );
-    assert!(
-        t_granted - t_lost >= Duration::from_millis(KILL_MS),
-        "only {:?} between the watchdog and B's grant",
-        t_granted - t_lost
-    );
-    assert!(eb > ea);
+    lost_before_b_granted("lockd A stopped", &mut holder, &a, ea, granted, t_stop).await;
 }
 
 /// The case lockd's own fence cannot cover and a plain silence limit covers too late: A is
@@ -816,11 +766,37 @@ async fn partitioned_then_frozen_lockd_holder_fenced_by_the_vouch_before_b_is_gr
     let proxy = Proxy::start(([127, 0, 0, 1], etcd.client_port).into());
     let a = start(d.path(), "A", &proxy.url(), FENCE_FLAGS, &[]);
     let b = start(d.path(), "B", &etcd.client_url, FENCE_FLAGS, &[]);
+    let (mut holder, ea, granted) =
+        watched_holder_and_waiter(&a, &b, Duration::from_secs(10)).await;
+    // Past the first ping after the acquire (10 s / 4), so that a pong has vouched.
+    tokio::time::sleep(Duration::from_millis(3000 + rand_ms(500))).await;
+    proxy.blackhole();
+    tokio::time::sleep(Duration::from_millis(rand_ms(300))).await;
+    let t_stop = Instant::now();
+    assert!(a.proc.signal(Signal::SIGSTOP));
+    lost_before_b_granted(
+        "lockd A cut off then frozen (watchdog limit 10 s)",
+        &mut holder,
+        &a,
+        ea,
+        granted,
+        t_stop,
+    )
+    .await;
+}
+
+/// A holder on `a` (a `LockClient` with a watchdog of `limit`) granted `engine`, and B's
+/// waiter queued for it: (holder, its epoch, B's grant as it arrives).
+async fn watched_holder_and_waiter(
+    a: &EtcdLockd,
+    b: &EtcdLockd,
+    limit: Duration,
+) -> (LockClient, u64, mpsc::Receiver<(Instant, Value, Line)>) {
     let ep: Endpoint = format!("unix:{}", a.sock.display()).parse().unwrap();
     let mut holder = LockClient::connect(
         &ep,
         ClientOptions {
-            watchdog: Some(Duration::from_secs(10)),
+            watchdog: Some(limit),
             ..ClientOptions::default()
         },
     )
@@ -830,19 +806,29 @@ async fn partitioned_then_frozen_lockd_holder_fenced_by_the_vouch_before_b_is_gr
     let ev = tokio::time::timeout(Duration::from_secs(5), holder.next_event())
         .await
         .unwrap();
-    let Some(LockEvent::Granted { epoch: ea, .. }) = ev else {
+    let Some(LockEvent::Granted { epoch, .. }) = ev else {
         panic!("{ev:?}");
     };
     let mut w = Line::connect(&b.sock).unwrap();
     w.acquire("engine", "hb");
     w.recv_until("queued", Duration::from_secs(5)).unwrap();
-    let granted = arrival(w, "granted", Duration::from_secs(20));
-    // Past the first ping after the acquire (10 s / 4), so that a pong has vouched.
-    tokio::time::sleep(Duration::from_millis(3000 + rand_ms(500))).await;
-    proxy.blackhole();
-    tokio::time::sleep(Duration::from_millis(rand_ms(300))).await;
-    let t_stop = Instant::now();
-    assert!(a.proc.signal(Signal::SIGSTOP));
+    (
+        holder,
+        epoch,
+        arrival(w, "granted", Duration::from_secs(20)),
+    )
+}
+
+/// Once A is stopped at `t_stop`: the holder's watchdog reports `Lost` before B's grant, with
+/// at least the kill time between them, and B's epoch is higher. Prints the figures.
+async fn lost_before_b_granted(
+    what: &str,
+    holder: &mut LockClient,
+    a: &EtcdLockd,
+    ea: u64,
+    granted: mpsc::Receiver<(Instant, Value, Line)>,
+    t_stop: Instant,
+) {
     let t_lost = loop {
         let ev = tokio::time::timeout(Duration::from_secs(20), holder.next_event())
             .await
@@ -859,7 +845,7 @@ async fn partitioned_then_frozen_lockd_holder_fenced_by_the_vouch_before_b_is_gr
     let _ = a.proc.signal(Signal::SIGCONT);
     let eb = g["epoch"].as_u64().unwrap();
     eprintln!(
-        "lockd A cut off then frozen: holder's watchdog (limit 10 s) reported lost {:.0} ms after the freeze; B granted {:.0} ms after that (epoch {ea} -> {eb})",
+        "{what}: holder's watchdog reported lost {:.0} ms after the stop; B granted {:.0} ms after that (epoch {ea} -> {eb})",
         (t_lost - t_stop).as_secs_f64() * 1e3,
         (t_granted.saturating_duration_since(t_lost)).as_secs_f64() * 1e3
     );
