@@ -599,10 +599,10 @@ impl Task {
             .map(|w| Instant::from_std(w.silent_at()))
     }
 
-    /// Nothing came from lockd for the watchdog's limit: every lease held is lost.
-    fn lose_all_silent(&mut self) {
+    /// Nothing came from lockd for the watchdog's limit: every lease held is lost. The cause.
+    fn lose_all_silent(&mut self) -> String {
         let Some(w) = self.watchdog.as_mut() else {
-            return;
+            return String::new();
         };
         let cause = format!("no sign of life from lockd for {:?} (watchdog)", w.limit());
         w.rearm(std::time::Instant::now());
@@ -610,6 +610,7 @@ impl Task {
             h.confirmed = false;
         }
         self.lose_unconfirmed(&cause);
+        cause
     }
 
     fn lose_unconfirmed(&mut self, cause: &str) {
@@ -655,7 +656,7 @@ impl Task {
                     None
                 }
                 _ = sleep_opt(silent) => {
-                    self.lose_all_silent();
+                    let _ = self.lose_all_silent();
                     None
                 }
             };
@@ -805,11 +806,9 @@ impl Task {
                             }
                         }
                         Some(Due::Silent) if !self.held.is_empty() => {
-                            let limit = self.watchdog.as_ref().map(Watchdog::limit).unwrap_or_default();
-                            self.lose_all_silent();
                             // A new session: lockd ends this one (and whatever it still
                             // holds) once it reads again.
-                            return Flow::Broken(format!("no sign of life from lockd for {limit:?} (watchdog)"));
+                            return Flow::Broken(self.lose_all_silent());
                         }
                         Some(Due::Silent) => {
                             if let Some(w) = self.watchdog.as_mut() {

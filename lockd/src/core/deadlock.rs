@@ -197,6 +197,21 @@ fn bump(held: &mut IdMap<SessionId, u32>, s: SessionId, up: bool) -> bool {
     }
 }
 
+/// Counts one lease of `s` less in `m`; true when `s` had its last one there (and is gone).
+fn count_down(m: &mut BTreeMap<SessionId, u32>, s: SessionId) -> bool {
+    match m.get_mut(&s) {
+        Some(n) if *n > 1 => {
+            *n -= 1;
+            false
+        }
+        Some(_) => {
+            m.remove(&s);
+            true
+        }
+        None => false,
+    }
+}
+
 impl Core {
     /// End of step: bring the wait-for graph up to date with the touched resources; report
     /// (and, if configured, break) every cycle that appeared.
@@ -441,14 +456,8 @@ impl Core {
         }
         let g = &mut self.graph;
         let sy = g.shared.entry(r.to_string()).or_default();
-        let node = |sy: &mut SharedSynced, g_next: &mut u64, names: &mut BTreeMap<u64, String>| {
-            if sy.node == 0 {
-                *g_next += 1;
-                sy.node = RESOURCE_BIT | *g_next;
-                names.insert(sy.node, r.to_string());
-            }
-            sy.node
-        };
+        // A session that starts or stops waiting for `r`: its edge is decided below.
+        let mut wait_changed = None;
         match (role, add) {
             (Role::Holds(h), true) => {
                 let n = sy.holders.entry(h).or_insert(0);
@@ -458,22 +467,12 @@ impl Core {
                         g.flipped.push(h);
                     }
                     if !sy.live.is_empty() {
-                        let rn = node(sy, &mut g.next_res_node, &mut g.res_of_node);
-                        g.additions.push((rn, h));
+                        g.additions.push((sy.node, h));
                     }
                 }
             }
             (Role::Holds(h), false) => {
-                let gone = match sy.holders.get_mut(&h) {
-                    Some(n) if *n > 1 => {
-                        *n -= 1;
-                        false
-                    }
-                    Some(_) => true,
-                    None => false,
-                };
-                if gone {
-                    sy.holders.remove(&h);
+                if count_down(&mut sy.holders, h) {
                     if bump(&mut g.held, h, false) {
                         g.flipped.push(h);
                     }
@@ -487,48 +486,29 @@ impl Core {
                 *n += 1;
                 if *n == 1 {
                     g.shared_waits_of.entry(w).or_default().push(r.to_string());
-                    if g.held.contains_key(&w) {
-                        let rn = node(sy, &mut g.next_res_node, &mut g.res_of_node);
-                        g.additions.push((w, rn));
-                        sy.live.insert(w);
-                        if sy.live.len() == 1 {
-                            g.additions.extend(sy.holders.keys().map(|h| (rn, *h)));
-                        }
-                    }
+                    wait_changed = Some(w);
                 }
             }
             (Role::Waits(w), false) => {
-                let gone = match sy.waits.get_mut(&w) {
-                    Some(n) if *n > 1 => {
-                        *n -= 1;
-                        false
-                    }
-                    Some(_) => true,
-                    None => false,
-                };
-                if gone {
-                    sy.waits.remove(&w);
+                if count_down(&mut sy.waits, w) {
                     if let Some(v) = g.shared_waits_of.get_mut(&w) {
                         v.retain(|x| x != r);
                         if v.is_empty() {
                             g.shared_waits_of.remove(&w);
                         }
                     }
-                    if sy.live.remove(&w) {
-                        g.removals.push((w, sy.node));
-                        if sy.live.is_empty() {
-                            g.removals.extend(sy.holders.keys().map(|h| (sy.node, *h)));
-                        }
-                    }
+                    wait_changed = Some(w);
                 }
             }
         }
-        if sy.live.is_empty() && sy.node != 0 {
-            g.res_of_node.remove(&sy.node);
-            sy.node = 0;
+        if let Some(w) = wait_changed {
+            self.sync_shared_wait(w, r);
         }
-        if sy.waits.is_empty() && sy.holders.is_empty() {
-            g.shared.remove(r);
+        let g = &mut self.graph;
+        if let Some(sy) = g.shared.get(r) {
+            if sy.waits.is_empty() && sy.holders.is_empty() {
+                g.shared.remove(r);
+            }
         }
     }
 
@@ -560,7 +540,9 @@ impl Core {
     }
 
     /// Brings the edge `w -> r` of shared-kind resource `r` in line: wanted while `w` waits
-    /// for `r` and holds something (its count of held resources flipped in this pass).
+    /// for `r` and holds something (after `w` started or stopped waiting for `r`, or its
+    /// count of held resources flipped in this pass). The resource's node lives while some
+    /// waiter has an edge, and its `r -> h` edges with it.
     fn sync_shared_wait(&mut self, w: SessionId, r: &str) {
         let g = &mut self.graph;
         let holding = g.held.contains_key(&w);

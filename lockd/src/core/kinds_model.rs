@@ -603,14 +603,8 @@ impl Model {
                 self.req(c, Request::acquire(b, format!("h{c}"), true))?;
             }
             Op::Gang(c, mask, w) => {
-                let members: Vec<String> = EXCL
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, _)| mask & (1 << i) != 0)
-                    .map(|(_, r)| r.to_string())
-                    .collect();
                 let ext = AcquireExt {
-                    gang: Some(members),
+                    gang: Some(masked(&EXCL, mask)),
                     timeout_ms: w.then_some(600),
                     ..AcquireExt::default()
                 };
@@ -618,14 +612,8 @@ impl Model {
             }
             Op::KindGang(c, mask, sh, timed, w) => {
                 let names = if sh { SHARED } else { TTLS };
-                let members: Vec<String> = names
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, _)| mask & (1 << i) != 0)
-                    .map(|(_, r)| r.to_string())
-                    .collect();
                 let ext = AcquireExt {
-                    gang: Some(members),
+                    gang: Some(masked(&names, mask)),
                     mode: sh.then_some(Mode::Shared),
                     ttl_ms: (!sh || timed).then_some(350),
                     timeout_ms: w.then_some(600),
@@ -758,6 +746,16 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// The names whose bit is set in `mask` (a gang's members).
+fn masked(names: &[&str], mask: u8) -> Vec<String> {
+    names
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| mask & (1 << i) != 0)
+        .map(|(_, r)| r.to_string())
+        .collect()
 }
 
 /// At a write: the delta the core hands over, through its journal line (serialized and read
