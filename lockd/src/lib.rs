@@ -22,6 +22,7 @@ pub mod proto;
 pub mod reserve;
 pub mod reserve_cmd;
 pub mod server;
+pub mod text_pages;
 pub mod watchdog;
 
 use std::fmt;
