@@ -31,8 +31,26 @@ use crate::proto::{
 };
 use crate::Endpoint;
 
-/// The feature `hello` announces on this backend: `put_fenced` (no version-2 lease kinds).
-pub const ETCD_FEATURES: &[&str] = &["put_fenced"];
+/// The features `hello` announces on this backend: `put_fenced` (no version-2 lease kinds),
+/// and `no_reclaim`: a lease never survives its connection's break (a new connection's
+/// `reclaim` is refused), so a client whose connection broke knows at once that its leases
+/// are lost and fences instead of waiting out a reconnect window (`lockd::client`).
+pub const ETCD_FEATURES: &[&str] = &["put_fenced", crate::client::FEATURE_NO_RECLAIM];
+
+/// The features announced to a new connection: [`ETCD_FEATURES`], without `no_reclaim` under
+/// the PLANTED BUG switch `LOCKD_PLANTED_BUG_ANNOUNCE_RECLAIM=1` (tests only: clients then wait
+/// out their reconnect window, and only their watchdog can fence in time).
+fn hello_features() -> Vec<String> {
+    static PLANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let planted = *PLANTED.get_or_init(|| {
+        std::env::var("LOCKD_PLANTED_BUG_ANNOUNCE_RECLAIM").is_ok_and(|v| v == "1")
+    });
+    ETCD_FEATURES
+        .iter()
+        .filter(|f| !(planted && **f == crate::client::FEATURE_NO_RECLAIM))
+        .map(|f| f.to_string())
+        .collect()
+}
 /// Events waiting for a client that does not read before it is disconnected.
 const OUTBOUND_QUEUE: usize = 1024;
 /// Lock keys `status` reads at most.
@@ -277,6 +295,12 @@ impl EtcdServer {
             planted_bug_no_margin = cfg.planted_bug_no_margin, "lockd serving with the etcd backend");
         if cfg.planted_bug_no_margin {
             warn!("PLANTED BUG: the self-fence ignores its margin (holders are told only at the lease's expiry)");
+        }
+        if !hello_features()
+            .iter()
+            .any(|f| f == crate::client::FEATURE_NO_RECLAIM)
+        {
+            warn!("PLANTED BUG: hello does not announce no_reclaim (clients wait out their reconnect window)");
         }
         Ok(EtcdServer {
             ctx: Arc::new(Ctx {
@@ -579,7 +603,7 @@ async fn session(ctx: Arc<Ctx>, mut reader: Reader, mut writer: Writer, peer: Pe
             server: "lockd".into(),
             version: proto::PROTOCOL_VERSION,
             session: id,
-            features: ETCD_FEATURES.iter().map(|f| f.to_string()).collect(),
+            features: hello_features(),
         }
         .encode(),
     );

@@ -27,6 +27,7 @@ mod drill_compound;
 mod dynamo_metrics;
 mod engine_fails;
 mod engine_sigkill_failover;
+mod etcd_lockd_killed;
 mod gms_happy_path;
 mod gms_reap_bounded;
 mod gms_reap_common;
