@@ -475,7 +475,7 @@ fn protocol_surface_served_and_refused() {
     let hello = h.recv_until("hello", t).unwrap();
     assert_eq!(
         hello["features"],
-        serde_json::json!(["put_fenced"]),
+        serde_json::json!(["put_fenced", "no_reclaim"]),
         "{hello}"
     );
     h.send(serde_json::json!({"op":"ping"}));

@@ -28,6 +28,7 @@ mod dynamo_metrics;
 mod engine_fails;
 mod engine_sigkill_failover;
 mod etcd_lockd_killed;
+mod etcd_publish_key;
 mod gms_happy_path;
 mod gms_reap_bounded;
 mod gms_reap_common;
