@@ -29,6 +29,7 @@ mod engine_fails;
 mod engine_sigkill_failover;
 mod etcd_lockd_killed;
 mod etcd_publish_key;
+mod etcd_standby_unavailable;
 mod gms_happy_path;
 mod gms_reap_bounded;
 mod gms_reap_common;
