@@ -844,13 +844,7 @@ impl Session {
                 ext,
             } => {
                 if ext != proto::AcquireExt::default() {
-                    return self.send(unsupported(
-                        &format!(
-                            "lease kind {:?} (or gang / reserve) with acquire",
-                            ext.kind().as_str()
-                        ),
-                        Some(&resource),
-                    ));
+                    return self.send(unsupported(&refused_kind(&ext), Some(&resource)));
                 }
                 self.acquire(resource, holder, wait).await
             }
@@ -1430,6 +1424,21 @@ impl Session {
             ));
         }
     }
+}
+
+/// What an acquire with version-2 fields asks for, as the refusal names it.
+fn refused_kind(ext: &proto::AcquireExt) -> String {
+    let kind = ext.kind().as_str();
+    let shape = if ext.gang.is_some() {
+        format!("a gang of {kind} leases")
+    } else if ext.reserve_ms.is_some() {
+        format!("a reserved {kind} lease")
+    } else if ext.ttl_ms.is_some() && ext.quantity.is_none() && ext.mode.is_none() {
+        "a TTL (ttl_ms) lease".to_string()
+    } else {
+        format!("a {kind} lease")
+    };
+    format!("acquire of {shape} (lease kind {kind:?})")
 }
 
 fn unsupported(what: &str, resource: Option<&str>) -> String {
