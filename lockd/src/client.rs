@@ -1142,6 +1142,14 @@ impl Task {
                     });
                     return;
                 }
+                // lockd on etcd dropped this acquire (etcd unreachable, or the waiting
+                // session's etcd lease was lost): it is no longer queued, so it is not sent
+                // again on the next connection (the owner asks again if it wants).
+                if code == "unavailable" {
+                    if let Some(r) = resource.as_deref() {
+                        self.waiting.remove(r);
+                    }
+                }
                 if code == "reclaim_refused" {
                     if let Some(h) = resource.as_ref().and_then(|r| self.held.remove(r)) {
                         let resource = resource.unwrap_or_default();
