@@ -109,8 +109,11 @@ pub enum LockEvent {
         /// Why.
         cause: String,
     },
-    /// etcd applied a [`LockClient::put_fenced`] (`put_done`).
+    /// etcd applied a [`LockClient::put_fenced`] (`put_done`) or a
+    /// [`LockClient::delete_fenced`] (`delete_done`).
     PutDone {
+        /// A delete (`delete_done`), not a put.
+        deleted: bool,
         /// The resource whose lease fenced the write.
         resource: String,
         /// The key as given.
@@ -328,14 +331,14 @@ enum Cmd {
         /// Acknowledged once written (or stored for the next connection).
         ack: oneshot::Sender<()>,
     },
-    /// `put_fenced` (etcd backend).
+    /// `put_fenced` / `delete_fenced` (etcd backend).
     PutFenced {
         /// Resource whose lease fences the write.
         resource: String,
         /// Key (under lockd's data prefix).
         key: String,
-        /// Value.
-        value: String,
+        /// Value (None: delete).
+        value: Option<String>,
     },
     /// Close for good.
     Close {
@@ -521,6 +524,22 @@ impl LockClient {
         key: &str,
         value: &str,
     ) -> Result<(), ClientError> {
+        self.send_fenced(resource, key, Some(value.into()))
+    }
+
+    /// Delete `key` in etcd only while this session still owns `resource` (lockd's
+    /// `delete_fenced`, etcd backend): a holder that is no longer the owner cannot remove its
+    /// successor's registration. Answered like [`LockClient::put_fenced`].
+    pub async fn delete_fenced(&mut self, resource: &str, key: &str) -> Result<(), ClientError> {
+        self.send_fenced(resource, key, None)
+    }
+
+    fn send_fenced(
+        &mut self,
+        resource: &str,
+        key: &str,
+        value: Option<String>,
+    ) -> Result<(), ClientError> {
         check("resource", resource)?;
         if key.is_empty() || key.len() > proto::MAX_NAME_LEN {
             return Err(ClientError::Invalid(format!(
@@ -532,7 +551,7 @@ impl LockClient {
             .send(Cmd::PutFenced {
                 resource: resource.into(),
                 key: key.into(),
-                value: value.into(),
+                value,
             })
             .map_err(|_| ClientError::Closed)
     }
@@ -997,9 +1016,14 @@ impl Task {
                             proto::encode_request(&Request::release(resource))
                         }
                         Some(Cmd::PutFenced { resource, key, value }) => {
-                            let l = serde_json::json!({
-                                "op": "put_fenced", "resource": resource, "key": key, "value": value,
-                            });
+                            let l = match value {
+                                Some(value) => serde_json::json!({
+                                    "op": "put_fenced", "resource": resource, "key": key, "value": value,
+                                }),
+                                None => serde_json::json!({
+                                    "op": "delete_fenced", "resource": resource, "key": key,
+                                }),
+                            };
                             self.puts.push_back((resource, key));
                             format!("{l}\n")
                         }
@@ -1031,12 +1055,14 @@ impl Task {
         let Ok(v) = serde_json::from_slice::<serde_json::Value>(line) else {
             return false;
         };
-        if v["event"] != "put_done" {
+        let deleted = v["event"] == "delete_done";
+        if v["event"] != "put_done" && !deleted {
             return false;
         }
         let (resource, key) = self.puts.pop_front().unwrap_or_default();
         let s = |f: &str, d: String| v[f].as_str().map(str::to_string).unwrap_or(d);
         self.emit(LockEvent::PutDone {
+            deleted,
             resource: s("resource", resource),
             key: s("key", key),
             epoch: v["epoch"].as_u64().unwrap_or(0),

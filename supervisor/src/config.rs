@@ -209,9 +209,9 @@ pub struct RunArgs {
     /// While Active, publish the engine's endpoint (`--publish-value`) at KEY in etcd with
     /// lockd's fenced put: etcd applies it only while this supervisor's lease still owns the
     /// lock (compared on the lock key's create revision) and keeps it on the session's etcd
-    /// lease, so it is gone once the supervisor leaves Active and its fence closes the lock
-    /// connection (or at the TTL if lockd died). Needs lockd on etcd (`--backend etcd`):
-    /// refused at startup (exit 1) when lockd's `hello` does not offer `put_fenced`
+    /// lease; leaving Active deletes it (a fenced delete, before the fence), and it goes with
+    /// the session's etcd lease in any case (at the TTL if lockd died). Needs lockd on etcd:
+    /// `--backend etcd`; refused at startup (exit 1) when lockd's `hello` does not offer `put_fenced`
     /// (docs/ETCD.md, "--publish-key").
     #[arg(long, env = "SUPERVISOR_PUBLISH_KEY", value_parser = publish_key)]
     pub publish_key: Option<String>,

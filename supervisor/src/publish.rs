@@ -14,8 +14,8 @@
 //! when the supervisor's fence closes the lock connection (lockd revokes the session's lease
 //! when the connection and its anchors have closed), at the TTL when lockd died or was cut off
 //! from etcd. A holder that is no longer the owner cannot write it again: etcd compares the
-//! lock key's create revision. [`Action::Withdraw`] marks the moment the supervisor stops
-//! vouching for it (the key is gone once the fence has closed the connection).
+//! lock key's create revision. [`Action::Withdraw`] deletes it first, with a fenced delete
+//! sent before the fence starts (so that it does not name an engine being stopped).
 
 use std::time::{Duration, Instant};
 
@@ -99,8 +99,9 @@ pub enum Action {
         /// The epoch it is made under (for the log).
         epoch: u64,
     },
-    /// Stop vouching for the published value (logged; the value goes with the session's etcd
-    /// lease when the fence closes the connection).
+    /// Stop vouching for the published value: a fenced delete of it, sent before the fence
+    /// (the value also goes with the session's etcd lease when the fence closes the
+    /// connection).
     Withdraw {
         /// Whether a value had been published.
         was_published: bool,

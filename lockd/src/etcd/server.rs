@@ -35,7 +35,11 @@ use crate::Endpoint;
 /// and `no_reclaim`: a lease never survives its connection's break (a new connection's
 /// `reclaim` is refused), so a client whose connection broke knows at once that its leases
 /// are lost and fences instead of waiting out a reconnect window (`lockd::client`).
-pub const ETCD_FEATURES: &[&str] = &["put_fenced", crate::client::FEATURE_NO_RECLAIM];
+pub const ETCD_FEATURES: &[&str] = &[
+    "put_fenced",
+    "delete_fenced",
+    crate::client::FEATURE_NO_RECLAIM,
+];
 
 /// The features announced to a new connection: [`ETCD_FEATURES`], without `no_reclaim` under
 /// the PLANTED BUG switch `LOCKD_PLANTED_BUG_ANNOUNCE_RECLAIM=1` (tests only: clients then wait
@@ -56,15 +60,17 @@ const OUTBOUND_QUEUE: usize = 1024;
 /// Lock keys `status` reads at most.
 const STATUS_MAX_KEYS: i64 = 10_000;
 
-/// `put_fenced`: write `key = value` in etcd only while this connection owns `resource`.
+/// `put_fenced`: write `key = value` in etcd only while this connection owns `resource`;
+/// `delete_fenced` (no `value`): delete `key` on the same condition.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct PutFenced {
     /// The resource whose lock must still be ours.
     pub resource: String,
     /// The data key (written as `<prefix>.data/<key>`).
     pub key: String,
-    /// The value.
-    pub value: String,
+    /// The value (None: `delete_fenced`).
+    #[serde(default)]
+    pub value: Option<String>,
 }
 
 /// A `put_fenced` line, if this is one (the op is not part of the file backend's protocol).
@@ -74,13 +80,21 @@ fn decode_put_fenced(line: &[u8]) -> Option<Result<PutFenced, String>> {
         op: String,
     }
     let op: Op = serde_json::from_slice(line).ok()?;
-    if op.op != "put_fenced" {
+    if op.op != "put_fenced" && op.op != "delete_fenced" {
         return None;
     }
+    let delete = op.op == "delete_fenced";
     Some(
         serde_json::from_slice::<PutFenced>(line)
             .map_err(|e| e.to_string())
             .and_then(|p| {
+                if p.value.is_none() != delete {
+                    return Err(if delete {
+                        "delete_fenced takes no value".to_string()
+                    } else {
+                        "put_fenced needs a value".to_string()
+                    });
+                }
                 for (what, s) in [("resource", &p.resource), ("key", &p.key)] {
                     if s.is_empty()
                         || s.len() > proto::MAX_NAME_LEN
@@ -810,7 +824,9 @@ impl Session {
     async fn on_line(&mut self, line: &[u8]) {
         let req = match proto::decode_request(line, self.ctx.cfg.max_line) {
             Ok(r) => r,
-            Err(proto::DecodeError::UnknownOp(op)) if op == "put_fenced" => {
+            Err(proto::DecodeError::UnknownOp(op))
+                if op == "put_fenced" || op == "delete_fenced" =>
+            {
                 match decode_put_fenced(line) {
                     Some(Ok(p)) => return self.put_fenced(p).await,
                     Some(Err(e)) => {
@@ -1223,29 +1239,47 @@ impl Session {
         let Some(h) = self.held.get(&p.resource) else {
             return self.send(error_line(
                 ErrorCode::NotHolder.as_str(),
-                "put_fenced needs the lock on the resource, held by this connection",
+                "put_fenced/delete_fenced needs the lock on the resource, held by this connection",
                 Some(&p.resource),
             ));
         };
         let (key, epoch, lease) = (h.key.clone(), h.epoch, h.lease);
         let data_key = mutex::data_key(&self.ctx.cfg.prefix, &p.key);
         let mut client = self.ctx.client.clone();
-        let r = mutex::put_fenced(
-            &mut client,
-            self.op_timeout(),
-            &key,
-            epoch as i64,
-            &data_key,
-            &p.value,
-            lease,
-        )
-        .await;
+        let r = match &p.value {
+            Some(v) => {
+                mutex::put_fenced(
+                    &mut client,
+                    self.op_timeout(),
+                    &key,
+                    epoch as i64,
+                    &data_key,
+                    v,
+                    lease,
+                )
+                .await
+            }
+            None => {
+                mutex::delete_fenced(
+                    &mut client,
+                    self.op_timeout(),
+                    &key,
+                    epoch as i64,
+                    &data_key,
+                )
+                .await
+            }
+        };
+        let (what, done) = match p.value {
+            Some(_) => ("put", "put_done"),
+            None => ("delete", "delete_done"),
+        };
         match r {
             Ok(FencedPut::Written { revision }) => {
-                info!(session = self.id, resource = %p.resource, epoch, key = %data_key, revision, "fenced put written");
+                info!(session = self.id, resource = %p.resource, epoch, key = %data_key, revision, what, "fenced {what} applied");
                 self.send(
                     serde_json::json!({
-                        "event": "put_done", "resource": p.resource, "key": p.key,
+                        "event": done, "resource": p.resource, "key": p.key,
                         "epoch": epoch, "revision": revision,
                     })
                     .to_string()
@@ -1720,9 +1754,25 @@ mod tests {
             Some(Ok(PutFenced {
                 resource: "engine".into(),
                 key: "svc/engine".into(),
-                value: "10.0.0.1:8000".into()
+                value: Some("10.0.0.1:8000".into())
             }))
         );
+        assert_eq!(
+            decode_put_fenced(br#"{"op":"delete_fenced","resource":"engine","key":"svc/engine"}"#),
+            Some(Ok(PutFenced {
+                resource: "engine".into(),
+                key: "svc/engine".into(),
+                value: None
+            }))
+        );
+        assert!(matches!(
+            decode_put_fenced(br#"{"op":"delete_fenced","resource":"r","key":"k","value":"v"}"#),
+            Some(Err(_))
+        ));
+        assert!(matches!(
+            decode_put_fenced(br#"{"op":"put_fenced","resource":"r","key":"k"}"#),
+            Some(Err(_))
+        ));
         assert_eq!(decode_put_fenced(br#"{"op":"ping"}"#), None);
         assert_eq!(decode_put_fenced(b"not json"), None);
         assert!(matches!(

@@ -398,6 +398,14 @@ fn stale_holders_fenced_write_is_refused() {
         (Some("put_done"), Some(eb)),
         "{w}"
     );
+    // Nor can the stale holder delete its successor's registration.
+    holder.send(serde_json::json!({"op":"delete_fenced","resource":"engine","key":"active"}));
+    let r = holder.recv(Duration::from_secs(10)).unwrap();
+    assert_eq!(
+        (r["event"].as_str(), r["code"].as_str()),
+        (Some("error"), Some("fenced")),
+        "{r}"
+    );
     // What etcd holds is B's value.
     if let Some(ctl) = harness::etcd::etcdctl() {
         let out = Command::new(ctl)
@@ -475,7 +483,7 @@ fn protocol_surface_served_and_refused() {
     let hello = h.recv_until("hello", t).unwrap();
     assert_eq!(
         hello["features"],
-        serde_json::json!(["put_fenced", "no_reclaim"]),
+        serde_json::json!(["put_fenced", "delete_fenced", "no_reclaim"]),
         "{hello}"
     );
     h.send(serde_json::json!({"op":"ping"}));

@@ -558,9 +558,13 @@ async fn run_incarnation(
                     }
                     lock_event(ev, probe_state)
                 }
-                Some(LockEvent::PutDone { resource, key, epoch, revision }) => {
+                Some(LockEvent::PutDone { deleted: false, resource, key, epoch, revision }) => {
                     tracing::info!(%resource, %key, epoch, revision, "published (fenced put applied by etcd)");
                     pub_in = Some(publish::Input::Done { epoch, revision });
+                    None
+                }
+                Some(LockEvent::PutDone { deleted: true, resource, key, epoch, revision }) => {
+                    tracing::info!(%resource, %key, epoch, revision, "publication deleted (fenced delete applied by etcd)");
                     None
                 }
                 Some(LockEvent::PutRefused { resource, key, code, message }) => {
@@ -950,7 +954,16 @@ async fn publish_step(
                 }
             }
             publish::Action::Withdraw { was_published } => {
-                tracing::info!(key = %key, was_published, "left Active: the published endpoint goes with the session's etcd lease when the fence closes the lock connection");
+                // Before the fence: the key no longer names an engine that is being stopped.
+                // Fenced (a stale holder cannot delete its successor's value); whatever
+                // happens to it, the key also goes with the session's etcd lease when the
+                // fence closes the lock connection.
+                tracing::info!(key = %key, was_published, "left Active: deleting the published endpoint (fenced delete)");
+                if was_published {
+                    if let Err(e) = lock.delete_fenced(&args.resource, key).await {
+                        tracing::warn!(error = %e, "cannot send the fenced delete; the key goes with the session's etcd lease");
+                    }
+                }
             }
         }
     }

@@ -1,7 +1,7 @@
 //! `supervisor run --publish-key KEY` over lockd on a real etcd (issue 13, point 3): the
 //! Active supervisor's engine endpoint is in etcd (lockd's fenced put, on the session's etcd
 //! lease); after a failover the key names the new Active engine; once the last Active
-//! supervisor stops, the key is gone. On the file backend the flag is refused at startup
+//! supervisor stops, the key is gone (its fenced delete, sent as it leaves Active). On the file backend the flag is refused at startup
 //! (exit 1, naming the reason). The stale holder's refused write is tested at lockd's level
 //! (`lockd` e2e `etcd_backend::stale_holders_fenced_write_is_refused`) and the publisher's
 //! decisions transition by transition (`supervisor::publish`).
@@ -121,6 +121,13 @@ fn active_endpoint_is_published_follows_the_failover_and_goes_with_the_lease() {
         None,
         "key still there after B stopped{}",
         c.dump_logs()
+    );
+    // Deleted by B's fenced delete as it left Active (before its fence), not only with its
+    // session's etcd lease.
+    let log_b = std::fs::read_to_string(b.spec().dir().join("lockd.log")).unwrap_or_default();
+    assert!(
+        log_b.contains("fenced delete applied"),
+        "no fenced delete in lockd B's log: {log_b}"
     );
     eprintln!(
         "published {url_a}, then {url_b} after the failover; gone {:?} after B's SIGTERM",
