@@ -9,7 +9,7 @@
 #     (v1.34.0 .. v1.37.0 here), so validation runs offline.
 #   * haproxy (Debian package, apt-get) for the router end-to-end run (deploy/pod_e2e.py),
 #     which also needs the workspace binaries (cargo build, a no-op after cargo test).
-# Then: helm lint, render vllm + sglang, compare with the committed deploy/rendered/*.yaml
+# Then: helm lint, render vllm + sglang (+ the inter-pod mode, deploy/check_interpod.py), compare with the committed deploy/rendered/*.yaml
 # (drift fails), strict schema validation at every Kubernetes version from 1.34 to 1.37,
 # consistency checks (deploy/check_manifests.py) with a self-test of the checker, the
 # dashboard's metric names against the code (deploy/check_dashboard.py), and the same checks
@@ -102,18 +102,28 @@ for flavour in vllm sglang; do
     drift=1
   fi
 done
+# The inter-pod mode (lockd on etcd in every pod; values-interpod.yaml over the vLLM values).
+render "$CHART/values-vllm.yaml" -f "$CHART/values-interpod.yaml" > "$out/interpod.yaml"
+if [ "$UPDATE" = 1 ]; then
+  cp "$out/interpod.yaml" deploy/rendered/interpod.yaml
+  echo "updated deploy/rendered/interpod.yaml"
+elif ! diff -u deploy/rendered/interpod.yaml "$out/interpod.yaml"; then
+  echo "FAIL: deploy/rendered/interpod.yaml drifted from the chart (bash deploy/check.sh --update)" >&2
+  drift=1
+fi
 [ "$drift" = 0 ]
 
 echo "== deploy: strict schema validation (kubernetes-validate --strict)"
 for k in $K8S_VERSIONS; do
-  "$TOOLS/venv/bin/kubernetes-validate" --strict --quiet -k "$k" "$out/vllm.yaml" "$out/sglang.yaml"
-  echo "ok: Kubernetes $k (vllm, sglang)"
+  "$TOOLS/venv/bin/kubernetes-validate" --strict --quiet -k "$k" "$out/vllm.yaml" "$out/sglang.yaml" "$out/interpod.yaml"
+  echo "ok: Kubernetes $k (vllm, sglang, interpod)"
 done
 
 echo "== deploy: consistency checks"
 "$PY" deploy/check_manifests.py --supervisor-start \
   "$(sed -n 's/^  supervisorStartTimeout: *//p' "$CHART/values.yaml")" "$out/vllm.yaml" "$out/sglang.yaml"
 "$PY" deploy/check_manifests.py --self-test "$out/vllm.yaml"
+"$PY" deploy/check_interpod.py --self-test "$out/interpod.yaml"
 
 echo "== deploy: haproxy (Debian's) for the dashboard's router metric names, the pod e2e and drill"
 if ! command -v haproxy >/dev/null 2>&1; then
@@ -164,6 +174,13 @@ for bad in timeouts.modelLoadTimeout=2hours timeout.waking=1s engine.adapter=tgi
            timeouts.supervisorStartTimeout=3h timeouts.supervisorStartTimeout=soon; do
   if render "$CHART/values-vllm.yaml" --set "$bad" > /dev/null 2>&1; then
     echo "FAIL: the chart accepted --set $bad" >&2
+    exit 1
+  fi
+done
+for bad in interPod.etcd.endpoints=null interPod.etcd.ttl=1s interPod.shadows=0 \
+           interPod.lockWatchdog=soon interPod.etcd.endpoints[0]=etcd:2379; do
+  if render "$CHART/values-vllm.yaml" -f "$CHART/values-interpod.yaml" --set "$bad" > /dev/null 2>&1; then
+    echo "FAIL: the chart accepted --set $bad in the inter-pod mode" >&2
     exit 1
   fi
 done

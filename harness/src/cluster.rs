@@ -76,7 +76,10 @@ impl Cluster {
         cmd.arg("run")
             .args(["--engine-id", &o.engine_id.to_string()])
             .args(["--role", o.role])
-            .args(["--lock", &self.lockd.endpoint()])
+            .args([
+                "--lock",
+                &o.lock.clone().unwrap_or_else(|| self.lockd.endpoint()),
+            ])
             .args(["--probes", &probes.to_string()])
             .args(["--adapter", o.adapter])
             .args(["--engine-url", &format!("http://{engine}")])

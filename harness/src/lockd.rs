@@ -79,6 +79,7 @@ pub struct LockdSpec {
     extra: Vec<OsString>,
     bin: Option<PathBuf>,
     inherit_env: bool,
+    env: Vec<(OsString, OsString)>,
 }
 
 impl LockdSpec {
@@ -97,7 +98,15 @@ impl LockdSpec {
             extra: Vec::new(),
             bin: None,
             inherit_env: false,
+            env: Vec::new(),
         }
+    }
+
+    /// Set this variable in lockd's environment (after the `LOCKD_*` clean-up), e.g. a
+    /// test-only planted-bug switch.
+    pub fn env(mut self, k: impl Into<OsString>, v: impl Into<OsString>) -> LockdSpec {
+        self.env.push((k.into(), v.into()));
+        self
     }
 
     /// Listen on this Unix socket (default `DIR/lockd.sock`).
@@ -237,6 +246,7 @@ impl LockdSpec {
         if let Some(f) = &self.log_filter {
             c.env("LOCKD_LOG", f);
         }
+        c.envs(self.env.iter().map(|(k, v)| (k, v)));
         c
     }
 }

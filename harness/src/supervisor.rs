@@ -33,6 +33,9 @@ pub struct SupOpts {
     /// Fixed (probes, engine) addresses instead of fresh free ones (e.g. a router configured
     /// before the supervisors start).
     pub addrs: Option<(SocketAddr, SocketAddr)>,
+    /// `--lock` endpoint instead of the cluster's own lockd (e.g. one of several etcd-backed
+    /// lockds standing for nodes).
+    pub lock: Option<String>,
 }
 
 impl SupOpts {
@@ -46,7 +49,15 @@ impl SupOpts {
             adapter: "vllm",
             restart: "never",
             addrs: None,
+            lock: None,
         }
+    }
+
+    /// Connect to this lockd endpoint (`unix:PATH` / `tcp:HOST:PORT`) instead of the
+    /// cluster's.
+    pub fn lock(mut self, endpoint: impl Into<String>) -> SupOpts {
+        self.lock = Some(endpoint.into());
+        self
     }
 
     /// Use these probe and engine addresses.

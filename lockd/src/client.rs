@@ -109,6 +109,32 @@ pub enum LockEvent {
         /// Why.
         cause: String,
     },
+    /// etcd applied a [`LockClient::put_fenced`] (`put_done`) or a
+    /// [`LockClient::delete_fenced`] (`delete_done`).
+    PutDone {
+        /// A delete (`delete_done`), not a put.
+        deleted: bool,
+        /// The resource whose lease fenced the write.
+        resource: String,
+        /// The key as given.
+        key: String,
+        /// The lease's epoch the write was compared with.
+        epoch: u64,
+        /// etcd's revision of the write.
+        revision: u64,
+    },
+    /// A [`LockClient::put_fenced`] was refused: `fenced` (etcd: this holder is no longer the
+    /// owner), `unavailable` (etcd did not answer, or not connected), `not_holder`, ...
+    PutRefused {
+        /// The resource of the put.
+        resource: String,
+        /// The key of the put.
+        key: String,
+        /// lockd's error code.
+        code: String,
+        /// Detail.
+        message: String,
+    },
     /// lockd answered a request with an error.
     Error {
         /// Stable code (see PROTOCOL.md).
@@ -305,6 +331,15 @@ enum Cmd {
         /// Acknowledged once written (or stored for the next connection).
         ack: oneshot::Sender<()>,
     },
+    /// `put_fenced` / `delete_fenced` (etcd backend).
+    PutFenced {
+        /// Resource whose lease fences the write.
+        resource: String,
+        /// Key (under lockd's data prefix).
+        key: String,
+        /// Value (None: delete).
+        value: Option<String>,
+    },
     /// Close for good.
     Close {
         /// Acknowledged once the connection is closed.
@@ -320,6 +355,8 @@ pub struct LockClient {
     events: mpsc::UnboundedReceiver<LockEvent>,
     /// The raw fd of the current connection (None while disconnected), for `inheritable_fd`.
     fd: Arc<Mutex<Option<RawFd>>>,
+    /// The features of the last `hello` (None until the first one arrived).
+    features: tokio::sync::watch::Receiver<Option<Vec<String>>>,
     /// The background task.
     task: tokio::task::JoinHandle<()>,
     /// The endpoint, for errors (anchors need `unix:`).
@@ -360,6 +397,7 @@ impl LockClient {
             .await
             .map_err(conn_err)?;
         let fd = Arc::new(Mutex::new(Some(stream.raw_fd())));
+        let (features_tx, features_rx) = tokio::sync::watch::channel(None);
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let (ev_tx, ev_rx) = mpsc::unbounded_channel();
         let watchdog = opts
@@ -375,6 +413,9 @@ impl LockClient {
             held: BTreeMap::new(),
             waiting: BTreeMap::new(),
             lost_deadline: None,
+            server_reclaims: true,
+            features: features_tx,
+            puts: std::collections::VecDeque::new(),
             close_ack: None,
             process_anchors: Vec::new(),
         };
@@ -383,6 +424,7 @@ impl LockClient {
             cmds: cmd_tx,
             events: ev_rx,
             fd,
+            features: features_rx,
             task: handle,
             endpoint: endpoint.clone(),
         })
@@ -461,6 +503,59 @@ impl LockClient {
         rx.await.map_err(|_| ClientError::Closed)
     }
 
+    /// The features lockd's `hello` announced (`put_fenced`, `no_reclaim` on the etcd
+    /// backend), waiting for the first `hello` up to `limit`; None if none came.
+    pub async fn features(&self, limit: Duration) -> Option<Vec<String>> {
+        let mut rx = self.features.clone();
+        let got = tokio::time::timeout(limit, rx.wait_for(|f| f.is_some())).await;
+        match got {
+            Ok(Ok(f)) => f.clone(),
+            _ => None,
+        }
+    }
+
+    /// Write `key = value` in etcd only while this session still owns `resource` (lockd's
+    /// `put_fenced`, etcd backend; docs/ETCD.md). The answer comes as
+    /// [`LockEvent::PutDone`] or [`LockEvent::PutRefused`] (`unavailable` at once while
+    /// disconnected: the write is not kept for the next connection).
+    pub async fn put_fenced(
+        &mut self,
+        resource: &str,
+        key: &str,
+        value: &str,
+    ) -> Result<(), ClientError> {
+        self.send_fenced(resource, key, Some(value.into()))
+    }
+
+    /// Delete `key` in etcd only while this session still owns `resource` (lockd's
+    /// `delete_fenced`, etcd backend): a holder that is no longer the owner cannot remove its
+    /// successor's registration. Answered like [`LockClient::put_fenced`].
+    pub async fn delete_fenced(&mut self, resource: &str, key: &str) -> Result<(), ClientError> {
+        self.send_fenced(resource, key, None)
+    }
+
+    fn send_fenced(
+        &mut self,
+        resource: &str,
+        key: &str,
+        value: Option<String>,
+    ) -> Result<(), ClientError> {
+        check("resource", resource)?;
+        if key.is_empty() || key.len() > proto::MAX_NAME_LEN {
+            return Err(ClientError::Invalid(format!(
+                "key must be 1..={} bytes",
+                proto::MAX_NAME_LEN
+            )));
+        }
+        self.cmds
+            .send(Cmd::PutFenced {
+                resource: resource.into(),
+                key: key.into(),
+                value,
+            })
+            .map_err(|_| ClientError::Closed)
+    }
+
     /// The next event; cancel-safe. None when the client is closed for good.
     pub async fn next_event(&mut self) -> Option<LockEvent> {
         self.events.recv().await
@@ -474,6 +569,44 @@ impl LockClient {
         }
         let _ = self.task.await;
     }
+}
+
+/// The `hello` feature of a lockd that cannot reclaim a lease after its connection broke (the
+/// etcd backend: a session's etcd lease is not adopted by a new connection). A client told so
+/// reports its held leases [`LockEvent::Lost`] as soon as the connection breaks, instead of
+/// keeping them (and its holder's engine) through a reconnect window that cannot save them
+/// while the lease may expire and be granted elsewhere (docs/ETCD.md).
+pub const FEATURE_NO_RECLAIM: &str = "no_reclaim";
+
+/// What a broken connection means for the leases held (pure; the client's task acts on it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterBreak {
+    /// Nothing is held: just reconnect.
+    Reconnect,
+    /// Try to reclaim the held leases on a new connection, until this time.
+    ReclaimUntil(Instant),
+    /// The server cannot reclaim: the held leases are lost now.
+    LostNow,
+}
+
+/// Decide what a connection break at `now` means (pure). `server_reclaims`: the last `hello`
+/// did not announce [`FEATURE_NO_RECLAIM`]; `lost_deadline`: a reclaim deadline already
+/// running (a break during a reconnect keeps the first one). The watchdog's limit
+/// ([`ClientOptions::watchdog`]) applies on top, connected or not.
+pub fn after_break(
+    now: Instant,
+    holding: bool,
+    server_reclaims: bool,
+    reconnect_timeout: Duration,
+    lost_deadline: Option<Instant>,
+) -> AfterBreak {
+    if !holding {
+        return AfterBreak::Reconnect;
+    }
+    if !server_reclaims {
+        return AfterBreak::LostNow;
+    }
+    AfterBreak::ReclaimUntil(lost_deadline.unwrap_or(now + reconnect_timeout))
 }
 
 /// A lease this client holds (or is reclaiming).
@@ -506,6 +639,12 @@ struct Task {
     waiting: BTreeMap<String, (String, bool)>,
     /// Held leases not confirmed by this deadline are lost.
     lost_deadline: Option<Instant>,
+    /// The last `hello` did not announce [`FEATURE_NO_RECLAIM`].
+    server_reclaims: bool,
+    /// The last `hello`'s features, for [`LockClient::features`].
+    features: tokio::sync::watch::Sender<Option<Vec<String>>>,
+    /// `put_fenced` requests sent on this connection and not answered yet: (resource, key).
+    puts: std::collections::VecDeque<(String, String)>,
     /// Set by `close()`: answered once the connection is closed.
     close_ack: Option<oneshot::Sender<()>>,
     /// Process anchors (pidfds) added with `add_process_anchor`, re-attached after every
@@ -565,11 +704,30 @@ impl Task {
             self.emit(LockEvent::Disconnected {
                 cause: cause.clone(),
             });
+            // Puts in flight have no answer coming: refused as `unavailable` (not retried).
+            while let Some((resource, key)) = self.puts.pop_front() {
+                self.emit(LockEvent::PutRefused {
+                    resource,
+                    key,
+                    code: "unavailable".into(),
+                    message: format!("connection to lockd broke: {cause}"),
+                });
+            }
             for h in self.held.values_mut() {
                 h.confirmed = false;
             }
-            if !self.held.is_empty() && self.lost_deadline.is_none() {
-                self.lost_deadline = Some(Instant::now() + self.opts.reconnect_timeout);
+            match after_break(
+                Instant::now(),
+                !self.held.is_empty(),
+                self.server_reclaims,
+                self.opts.reconnect_timeout,
+                self.lost_deadline,
+            ) {
+                AfterBreak::Reconnect => {}
+                AfterBreak::ReclaimUntil(t) => self.lost_deadline = Some(t),
+                AfterBreak::LostNow => self.lose_unconfirmed(&format!(
+                    "{cause}; this lockd cannot reclaim a lease after a disconnect (its hello says {FEATURE_NO_RECLAIM}: etcd backend)"
+                )),
             }
             match self.reconnect(&mut cmds).await {
                 Some(s) => stream = s,
@@ -713,7 +871,13 @@ impl Task {
                 }
                 Some(Err(e)) => {
                     debug!(client = %self.label, error = %e, "reconnect attempt failed");
-                    let sleep = tokio::time::sleep(backoff);
+                    // Not past the reclaim deadline or the watchdog's limit: those are acted
+                    // on by the select above, on time.
+                    let mut until = Instant::now() + backoff;
+                    for t in [self.lost_deadline, self.silent_at()].into_iter().flatten() {
+                        until = until.min(t);
+                    }
+                    let sleep = tokio::time::sleep_until(until);
                     tokio::pin!(sleep);
                     loop {
                         tokio::select! {
@@ -753,6 +917,15 @@ impl Task {
                     self.lost_deadline = None;
                 }
                 let _ = ack.send(());
+                true
+            }
+            Some(Cmd::PutFenced { resource, key, .. }) => {
+                self.emit(LockEvent::PutRefused {
+                    resource,
+                    key,
+                    code: "unavailable".into(),
+                    message: "not connected to lockd".into(),
+                });
                 true
             }
             Some(Cmd::Anchor { fd, ack }) => {
@@ -842,6 +1015,18 @@ impl Task {
                             let _ = ack.send(());
                             proto::encode_request(&Request::release(resource))
                         }
+                        Some(Cmd::PutFenced { resource, key, value }) => {
+                            let l = match value {
+                                Some(value) => serde_json::json!({
+                                    "op": "put_fenced", "resource": resource, "key": key, "value": value,
+                                }),
+                                None => serde_json::json!({
+                                    "op": "delete_fenced", "resource": resource, "key": key,
+                                }),
+                            };
+                            self.puts.push_back((resource, key));
+                            format!("{l}\n")
+                        }
                         Some(Cmd::Anchor { fd, ack }) => {
                             let r = s.send_anchor(&fd).await;
                             self.keep_process_anchor(fd);
@@ -864,10 +1049,49 @@ impl Task {
         }
     }
 
+    /// A `put_done` line (not part of the version-1 protocol: the etcd backend's), answering
+    /// the oldest put in flight. False when the line is not one.
+    fn on_put_done(&mut self, line: &[u8]) -> bool {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(line) else {
+            return false;
+        };
+        let deleted = v["event"] == "delete_done";
+        if v["event"] != "put_done" && !deleted {
+            return false;
+        }
+        let (resource, key) = self.puts.pop_front().unwrap_or_default();
+        let s = |f: &str, d: String| v[f].as_str().map(str::to_string).unwrap_or(d);
+        self.emit(LockEvent::PutDone {
+            deleted,
+            resource: s("resource", resource),
+            key: s("key", key),
+            epoch: v["epoch"].as_u64().unwrap_or(0),
+            revision: v["revision"].as_u64().unwrap_or(0),
+        });
+        true
+    }
+
+    /// Whether an error answers the oldest put in flight (then taken off the list): its codes
+    /// (`fenced`, `unavailable`), or a generic refusal naming its resource (or none).
+    fn put_answered(&mut self, code: &str, resource: Option<&str>) -> Option<(String, String)> {
+        let (r, _) = self.puts.front()?;
+        let generic = matches!(
+            code,
+            "not_holder" | "bad_request" | "unknown_op" | "unsupported"
+        ) && resource.is_none_or(|x| x == r);
+        if matches!(code, "fenced" | "unavailable") || generic {
+            return self.puts.pop_front();
+        }
+        None
+    }
+
     fn on_line(&mut self, line: &[u8]) {
         let ev = match proto::decode_event(line) {
             Ok(ev) => ev,
             Err(e) => {
+                if self.on_put_done(line) {
+                    return;
+                }
                 warn!(client = %self.label, error = %e, "undecodable event from lockd; ignored");
                 return;
             }
@@ -935,6 +1159,23 @@ impl Task {
                 message,
                 resource,
             } => {
+                if let Some((resource, key)) = self.put_answered(&code, resource.as_deref()) {
+                    self.emit(LockEvent::PutRefused {
+                        resource,
+                        key,
+                        code,
+                        message,
+                    });
+                    return;
+                }
+                // lockd on etcd dropped this acquire (etcd unreachable, or the waiting
+                // session's etcd lease was lost): it is no longer queued, so it is not sent
+                // again on the next connection (the owner asks again if it wants).
+                if code == "unavailable" {
+                    if let Some(r) = resource.as_deref() {
+                        self.waiting.remove(r);
+                    }
+                }
                 if code == "reclaim_refused" {
                     if let Some(h) = resource.as_ref().and_then(|r| self.held.remove(r)) {
                         let resource = resource.unwrap_or_default();
@@ -955,8 +1196,11 @@ impl Task {
             Event::Anchored { anchors } => {
                 debug!(client = %self.label, anchors, "anchor attached");
             }
-            Event::Hello { .. }
-            | Event::Released { .. }
+            Event::Hello { features, .. } => {
+                self.server_reclaims = !features.iter().any(|f| f == FEATURE_NO_RECLAIM);
+                self.features.send_replace(Some(features));
+            }
+            Event::Released { .. }
             | Event::Cancelled { .. }
             | Event::RevokeSent { .. }
             | Event::Status(_)
@@ -978,5 +1222,50 @@ async fn sleep_opt(at: Option<Instant>) {
     match at {
         Some(t) => tokio::time::sleep_until(t).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn a_break_with_nothing_held_only_reconnects() {
+        let t0 = Instant::now();
+        for reclaims in [true, false] {
+            assert_eq!(
+                after_break(t0, false, reclaims, 15 * S, None),
+                AfterBreak::Reconnect
+            );
+        }
+    }
+
+    #[test]
+    fn a_reclaiming_server_gets_the_reconnect_window_counted_from_the_first_break() {
+        let t0 = Instant::now();
+        assert_eq!(
+            after_break(t0, true, true, 15 * S, None),
+            AfterBreak::ReclaimUntil(t0 + 15 * S)
+        );
+        // A second break during the reconnect does not extend the window.
+        assert_eq!(
+            after_break(t0 + 3 * S, true, true, 15 * S, Some(t0 + 15 * S)),
+            AfterBreak::ReclaimUntil(t0 + 15 * S)
+        );
+    }
+
+    #[test]
+    fn a_server_that_cannot_reclaim_loses_the_held_leases_at_once() {
+        let t0 = Instant::now();
+        assert_eq!(
+            after_break(t0, true, false, 15 * S, None),
+            AfterBreak::LostNow
+        );
+        assert_eq!(
+            after_break(t0, true, false, 15 * S, Some(t0 + 15 * S)),
+            AfterBreak::LostNow
+        );
     }
 }

@@ -107,6 +107,9 @@ impl std::fmt::Display for MarkKind {
 pub enum WaitReason {
     /// `--init-min-free-memory`: the device's free memory, before the engine is spawned.
     InitMemory,
+    /// lockd answered `unavailable` (lockd on etcd: etcd unreachable): the lock request is
+    /// repeated with a bounded backoff.
+    LockUnavailable,
 }
 
 impl WaitReason {
@@ -114,6 +117,7 @@ impl WaitReason {
     pub fn as_str(self) -> &'static str {
         match self {
             WaitReason::InitMemory => "init_memory",
+            WaitReason::LockUnavailable => "lock_unavailable",
         }
     }
 }

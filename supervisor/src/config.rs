@@ -15,6 +15,16 @@ fn dur(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 250ms, 10s, 5m)"))
 }
 
+/// `--publish-key`: 1..=256 bytes without control characters (lockd's name limit).
+fn publish_key(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 256 || s.chars().any(|c| c.is_control()) {
+        return Err(format!(
+            "{s:?}: a publish key must be 1..=256 bytes without control characters"
+        ));
+    }
+    Ok(s.to_string())
+}
+
 /// `--lock-watchdog`: a duration of at least 10 ms (it is pinged every quarter of it).
 fn watchdog_dur(s: &str) -> Result<Duration, String> {
     let d = dur(s)?;
@@ -195,6 +205,20 @@ pub struct RunArgs {
     /// stopped lockd grants nobody else).
     #[arg(long, env = "SUPERVISOR_LOCK_WATCHDOG", value_parser = watchdog_dur)]
     pub lock_watchdog: Option<Duration>,
+
+    /// While Active, publish the engine's endpoint (`--publish-value`) at KEY in etcd with
+    /// lockd's fenced put: etcd applies it only while this supervisor's lease still owns the
+    /// lock (compared on the lock key's create revision) and keeps it on the session's etcd
+    /// lease; leaving Active deletes it (a fenced delete, before the fence), and it goes with
+    /// the session's etcd lease in any case (at the TTL if lockd died). Needs lockd on etcd:
+    /// `--backend etcd`; refused at startup (exit 1) when lockd's `hello` does not offer `put_fenced`
+    /// (docs/ETCD.md, "--publish-key").
+    #[arg(long, env = "SUPERVISOR_PUBLISH_KEY", value_parser = publish_key)]
+    pub publish_key: Option<String>,
+
+    /// The value published at `--publish-key` (default: `--engine-url`).
+    #[arg(long, env = "SUPERVISOR_PUBLISH_VALUE")]
+    pub publish_value: Option<String>,
 
     /// Keep answering probes (as Dead) this long after fencing, before exiting. The lock is
     /// already released by then. Useful for debugging and tests; 0 in production.

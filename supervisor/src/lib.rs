@@ -6,6 +6,7 @@
 //! * [`machine`]: the pure state machine,
 //! * [`driver`]: `supervisor run` (sockets, processes, timers, signals),
 //! * [`process`]: spawning, death detection and fencing of the engine's process tree,
+//! * [`publish`]: the pure `--publish-key` publisher (fenced puts while Active),
 //! * [`restart`]: the pure restart policy (backoff, crash-loop limit),
 //! * [`adapter`]: vLLM / SGLang HTTP calls,
 //! * [`config`]: the `run` command line,
@@ -21,5 +22,6 @@ pub mod fault;
 pub mod logging;
 pub mod machine;
 pub mod process;
+pub mod publish;
 pub mod restart;
 pub mod router;

@@ -297,6 +297,9 @@ pub enum Event {
     LockClosed(String),
     /// lockd answered an error (fatal while we wait for a lock answer: the answer never comes).
     LockError(String),
+    /// lockd answered `unavailable` (lockd on etcd: etcd did not answer, or the waiting
+    /// session's etcd lease was lost): the request is gone, but asking again later may work.
+    LockUnavailable(String),
     /// A budget ran out (ignored unless it is the current state's and has really passed).
     Timeout(TimeoutKind),
     /// SIGTERM or SIGINT.
@@ -322,6 +325,12 @@ pub enum Action {
     CheckBeforeWake,
     /// Remember the lock epoch (exposed on `/state`).
     SetEpoch(u64),
+    /// lockd could not serve the lock request for now (`unavailable`): send it again
+    /// (`acquire(wait)`) after the driver's bounded backoff ([`lock_retry_delay`]).
+    RetryLock {
+        /// `wait=true` (Standby) or try-once (the primary's Init).
+        wait: bool,
+    },
     /// Hand the new lock connection (after a reconnect) to a lock keeper that lives until the
     /// engine has exited (no anchors: lockd over TCP; see `process::Keeper`).
     SpawnKeeper,
@@ -423,6 +432,9 @@ pub fn step(
                     a.push(Action::TryLock);
                     (init(*step), a)
                 }
+                (InitStep::TryingLock, E::LockUnavailable(_)) => {
+                    (init(*step), vec![Action::RetryLock { wait: false }])
+                }
                 (InitStep::TryingLock, E::LockError(s)) => {
                     dead_from(state, DeadReason::Protocol(s.clone()))
                 }
@@ -468,6 +480,10 @@ pub fn step(
                 )
             }
         }
+        // etcd unreachable (lockd on etcd): keep the engine asleep and ask again later.
+        (State::Standby, E::LockUnavailable(_)) => {
+            (State::Standby, vec![Action::RetryLock { wait: true }])
+        }
         (State::Standby, E::LockError(s)) => dead_from(state, DeadReason::Protocol(s.clone())),
         (
             State::Waking {
@@ -510,6 +526,20 @@ pub fn step(
         }
         _ => same(),
     }
+}
+
+/// First delay before asking lockd again after `unavailable`.
+pub const LOCK_RETRY_MIN: Duration = Duration::from_millis(200);
+/// Longest delay between two such requests.
+pub const LOCK_RETRY_MAX: Duration = Duration::from_secs(5);
+
+/// The delay before the `attempt`-th (0-based) repeat of a lock request lockd answered
+/// `unavailable`: 200 ms doubling up to 5 s (pure; the driver counts the attempts and resets
+/// the count once lockd queued or granted the request).
+pub fn lock_retry_delay(attempt: u32) -> Duration {
+    LOCK_RETRY_MIN
+        .saturating_mul(1u32 << attempt.min(16))
+        .min(LOCK_RETRY_MAX)
 }
 
 /// Convenience wrapper holding the state and config.
@@ -583,6 +613,7 @@ mod tests {
             Event::Revoked("ops".into()),
             Event::LockClosed("closed".into()),
             Event::LockError("bad".into()),
+            Event::LockUnavailable("etcd down".into()),
             Event::Timeout(TimeoutKind::Startup),
             Event::Timeout(TimeoutKind::Waking),
             Event::Terminate,
@@ -700,6 +731,9 @@ mod tests {
                 }
                 (_, E::LockReconnected) => (s.clone(), keeper),
                 (TryingLock, E::LockError(x)) => die(DeadReason::Protocol(x.clone())),
+                (TryingLock, E::LockUnavailable(_)) => {
+                    (s.clone(), vec![Action::RetryLock { wait: false }])
+                }
                 (Sleeping, E::Slept) if c.wake_checks => (
                     State::Standby,
                     vec![Action::WaitLock, Action::RememberLayout],
@@ -724,6 +758,7 @@ mod tests {
                     vec![Action::SetEpoch(*epoch), Action::Wake],
                 ),
                 E::LockError(x) => die(DeadReason::Protocol(x.clone())),
+                E::LockUnavailable(_) => (s.clone(), vec![Action::RetryLock { wait: true }]),
                 E::LockReconnected => (s.clone(), keeper),
                 _ => keep,
             },
@@ -770,6 +805,38 @@ mod tests {
         }
     }
 
+    #[test]
+    fn lock_retry_backoff_doubles_and_is_bounded() {
+        let ms: Vec<u128> = (0..8).map(|a| lock_retry_delay(a).as_millis()).collect();
+        assert_eq!(ms, [200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
+        assert_eq!(lock_retry_delay(u32::MAX), LOCK_RETRY_MAX);
+    }
+
+    #[test]
+    fn a_standby_answered_unavailable_stays_asleep_and_asks_again() {
+        let t0 = Instant::now();
+        let c = cfg(Role::Shadow);
+        let (s, a) = step(
+            &State::Standby,
+            &Event::LockUnavailable("etcd backend: cannot get an etcd lease".into()),
+            t0,
+            &c,
+        );
+        assert_eq!(s, State::Standby);
+        assert_eq!(a, vec![Action::RetryLock { wait: true }]);
+        // Then granted as usual.
+        let (s, _) = step(
+            &s,
+            &Event::LockGranted {
+                epoch: 9,
+                reclaimed: false,
+            },
+            t0,
+            &c,
+        );
+        assert!(matches!(s, State::Waking { .. }), "{s:?}");
+    }
+
     /// Every event in every state, for both roles, before and after every deadline.
     #[test]
     fn every_event_in_every_state() {
@@ -807,7 +874,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(checked, 2 * 2 * 2 * 8 * 20 * 3);
+        assert_eq!(checked, 2 * 2 * 2 * 8 * 21 * 3);
     }
 
     #[test]

@@ -308,7 +308,26 @@ pub async fn put_fenced(
             Some(PutOptions::new().with_lease(lease)),
         )])
         .or_else([TxnOp::get(lock_key, None)]);
-    let resp = bounded(limit, client.txn(txn)).await?;
+    fenced_outcome(bounded(limit, client.txn(txn)).await?)
+}
+
+/// Delete `data_key` only while `lock_key`'s create revision is still `epoch` (the fenced
+/// put's counterpart: a stale holder cannot delete its successor's registration).
+pub async fn delete_fenced(
+    client: &mut Client,
+    limit: Duration,
+    lock_key: &str,
+    epoch: i64,
+    data_key: &str,
+) -> Result<FencedPut, EtcdError> {
+    let txn = Txn::new()
+        .when([Compare::create_revision(lock_key, CompareOp::Equal, epoch)])
+        .and_then([TxnOp::delete(data_key, None)])
+        .or_else([TxnOp::get(lock_key, None)]);
+    fenced_outcome(bounded(limit, client.txn(txn)).await?)
+}
+
+fn fenced_outcome(resp: etcd_client::TxnResponse) -> Result<FencedPut, EtcdError> {
     if resp.succeeded() {
         let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
         return Ok(FencedPut::Written { revision });

@@ -31,22 +31,46 @@ use crate::proto::{
 };
 use crate::Endpoint;
 
-/// The feature `hello` announces on this backend: `put_fenced` (no version-2 lease kinds).
-pub const ETCD_FEATURES: &[&str] = &["put_fenced"];
+/// The features `hello` announces on this backend: `put_fenced` (no version-2 lease kinds),
+/// and `no_reclaim`: a lease never survives its connection's break (a new connection's
+/// `reclaim` is refused), so a client whose connection broke knows at once that its leases
+/// are lost and fences instead of waiting out a reconnect window (`lockd::client`).
+pub const ETCD_FEATURES: &[&str] = &[
+    "put_fenced",
+    "delete_fenced",
+    crate::client::FEATURE_NO_RECLAIM,
+];
+
+/// The features announced to a new connection: [`ETCD_FEATURES`], without `no_reclaim` under
+/// the PLANTED BUG switch `LOCKD_PLANTED_BUG_ANNOUNCE_RECLAIM=1` (tests only: clients then wait
+/// out their reconnect window, and only their watchdog can fence in time).
+fn hello_features() -> Vec<String> {
+    static PLANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let planted = *PLANTED.get_or_init(|| {
+        std::env::var("LOCKD_PLANTED_BUG_ANNOUNCE_RECLAIM").is_ok_and(|v| v == "1")
+    });
+    ETCD_FEATURES
+        .iter()
+        .filter(|f| !(planted && **f == crate::client::FEATURE_NO_RECLAIM))
+        .map(|f| f.to_string())
+        .collect()
+}
 /// Events waiting for a client that does not read before it is disconnected.
 const OUTBOUND_QUEUE: usize = 1024;
 /// Lock keys `status` reads at most.
 const STATUS_MAX_KEYS: i64 = 10_000;
 
-/// `put_fenced`: write `key = value` in etcd only while this connection owns `resource`.
+/// `put_fenced`: write `key = value` in etcd only while this connection owns `resource`;
+/// `delete_fenced` (no `value`): delete `key` on the same condition.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct PutFenced {
     /// The resource whose lock must still be ours.
     pub resource: String,
     /// The data key (written as `<prefix>.data/<key>`).
     pub key: String,
-    /// The value.
-    pub value: String,
+    /// The value (None: `delete_fenced`).
+    #[serde(default)]
+    pub value: Option<String>,
 }
 
 /// A `put_fenced` line, if this is one (the op is not part of the file backend's protocol).
@@ -56,13 +80,21 @@ fn decode_put_fenced(line: &[u8]) -> Option<Result<PutFenced, String>> {
         op: String,
     }
     let op: Op = serde_json::from_slice(line).ok()?;
-    if op.op != "put_fenced" {
+    if op.op != "put_fenced" && op.op != "delete_fenced" {
         return None;
     }
+    let delete = op.op == "delete_fenced";
     Some(
         serde_json::from_slice::<PutFenced>(line)
             .map_err(|e| e.to_string())
             .and_then(|p| {
+                if p.value.is_none() != delete {
+                    return Err(if delete {
+                        "delete_fenced takes no value".to_string()
+                    } else {
+                        "put_fenced needs a value".to_string()
+                    });
+                }
                 for (what, s) in [("resource", &p.resource), ("key", &p.key)] {
                     if s.is_empty()
                         || s.len() > proto::MAX_NAME_LEN
@@ -277,6 +309,12 @@ impl EtcdServer {
             planted_bug_no_margin = cfg.planted_bug_no_margin, "lockd serving with the etcd backend");
         if cfg.planted_bug_no_margin {
             warn!("PLANTED BUG: the self-fence ignores its margin (holders are told only at the lease's expiry)");
+        }
+        if !hello_features()
+            .iter()
+            .any(|f| f == crate::client::FEATURE_NO_RECLAIM)
+        {
+            warn!("PLANTED BUG: hello does not announce no_reclaim (clients wait out their reconnect window)");
         }
         Ok(EtcdServer {
             ctx: Arc::new(Ctx {
@@ -579,7 +617,7 @@ async fn session(ctx: Arc<Ctx>, mut reader: Reader, mut writer: Writer, peer: Pe
             server: "lockd".into(),
             version: proto::PROTOCOL_VERSION,
             session: id,
-            features: ETCD_FEATURES.iter().map(|f| f.to_string()).collect(),
+            features: hello_features(),
         }
         .encode(),
     );
@@ -786,7 +824,9 @@ impl Session {
     async fn on_line(&mut self, line: &[u8]) {
         let req = match proto::decode_request(line, self.ctx.cfg.max_line) {
             Ok(r) => r,
-            Err(proto::DecodeError::UnknownOp(op)) if op == "put_fenced" => {
+            Err(proto::DecodeError::UnknownOp(op))
+                if op == "put_fenced" || op == "delete_fenced" =>
+            {
                 match decode_put_fenced(line) {
                     Some(Ok(p)) => return self.put_fenced(p).await,
                     Some(Err(e)) => {
@@ -820,13 +860,7 @@ impl Session {
                 ext,
             } => {
                 if ext != proto::AcquireExt::default() {
-                    return self.send(unsupported(
-                        &format!(
-                            "lease kind {:?} (or gang / reserve) with acquire",
-                            ext.kind().as_str()
-                        ),
-                        Some(&resource),
-                    ));
+                    return self.send(unsupported(&refused_kind(&ext), Some(&resource)));
                 }
                 self.acquire(resource, holder, wait).await
             }
@@ -1205,29 +1239,47 @@ impl Session {
         let Some(h) = self.held.get(&p.resource) else {
             return self.send(error_line(
                 ErrorCode::NotHolder.as_str(),
-                "put_fenced needs the lock on the resource, held by this connection",
+                "put_fenced/delete_fenced needs the lock on the resource, held by this connection",
                 Some(&p.resource),
             ));
         };
         let (key, epoch, lease) = (h.key.clone(), h.epoch, h.lease);
         let data_key = mutex::data_key(&self.ctx.cfg.prefix, &p.key);
         let mut client = self.ctx.client.clone();
-        let r = mutex::put_fenced(
-            &mut client,
-            self.op_timeout(),
-            &key,
-            epoch as i64,
-            &data_key,
-            &p.value,
-            lease,
-        )
-        .await;
+        let r = match &p.value {
+            Some(v) => {
+                mutex::put_fenced(
+                    &mut client,
+                    self.op_timeout(),
+                    &key,
+                    epoch as i64,
+                    &data_key,
+                    v,
+                    lease,
+                )
+                .await
+            }
+            None => {
+                mutex::delete_fenced(
+                    &mut client,
+                    self.op_timeout(),
+                    &key,
+                    epoch as i64,
+                    &data_key,
+                )
+                .await
+            }
+        };
+        let (what, done) = match p.value {
+            Some(_) => ("put", "put_done"),
+            None => ("delete", "delete_done"),
+        };
         match r {
             Ok(FencedPut::Written { revision }) => {
-                info!(session = self.id, resource = %p.resource, epoch, key = %data_key, revision, "fenced put written");
+                info!(session = self.id, resource = %p.resource, epoch, key = %data_key, revision, what, "fenced {what} applied");
                 self.send(
                     serde_json::json!({
-                        "event": "put_done", "resource": p.resource, "key": p.key,
+                        "event": done, "resource": p.resource, "key": p.key,
                         "epoch": epoch, "revision": revision,
                     })
                     .to_string()
@@ -1406,6 +1458,21 @@ impl Session {
             ));
         }
     }
+}
+
+/// What an acquire with version-2 fields asks for, as the refusal names it.
+fn refused_kind(ext: &proto::AcquireExt) -> String {
+    let kind = ext.kind().as_str();
+    let shape = if ext.gang.is_some() {
+        format!("a gang of {kind} leases")
+    } else if ext.reserve_ms.is_some() {
+        format!("a reserved {kind} lease")
+    } else if ext.ttl_ms.is_some() && ext.quantity.is_none() && ext.mode.is_none() {
+        "a TTL (ttl_ms) lease".to_string()
+    } else {
+        format!("a {kind} lease")
+    };
+    format!("acquire of {shape} (lease kind {kind:?})")
 }
 
 fn unsupported(what: &str, resource: Option<&str>) -> String {
@@ -1687,9 +1754,25 @@ mod tests {
             Some(Ok(PutFenced {
                 resource: "engine".into(),
                 key: "svc/engine".into(),
-                value: "10.0.0.1:8000".into()
+                value: Some("10.0.0.1:8000".into())
             }))
         );
+        assert_eq!(
+            decode_put_fenced(br#"{"op":"delete_fenced","resource":"engine","key":"svc/engine"}"#),
+            Some(Ok(PutFenced {
+                resource: "engine".into(),
+                key: "svc/engine".into(),
+                value: None
+            }))
+        );
+        assert!(matches!(
+            decode_put_fenced(br#"{"op":"delete_fenced","resource":"r","key":"k","value":"v"}"#),
+            Some(Err(_))
+        ));
+        assert!(matches!(
+            decode_put_fenced(br#"{"op":"put_fenced","resource":"r","key":"k"}"#),
+            Some(Err(_))
+        ));
         assert_eq!(decode_put_fenced(br#"{"op":"ping"}"#), None);
         assert_eq!(decode_put_fenced(b"not json"), None);
         assert!(matches!(

@@ -19,6 +19,8 @@ use crate::adapter::{AdapterError, EngineClient};
 use crate::config::RunArgs;
 use crate::machine::{Action, DeadReason, Event, Machine, MachineConfig, Role, State};
 use crate::process::{self, EngineSpec};
+use crate::publish;
+use lockd::client::LockEvent;
 
 mod fence;
 pub mod init_memory;
@@ -55,6 +57,16 @@ pub enum RunError {
     /// Signal handler installation failed.
     #[error("cannot install signal handlers: {0}")]
     Signals(#[source] std::io::Error),
+    /// `--publish-key` with a lockd that does not offer `put_fenced` (not the etcd backend).
+    #[error("--publish-key {key:?} needs lockd's fenced put (lockd serve --backend etcd); lockd at {lock} does not offer it (hello features: {features:?})")]
+    PublishUnsupported {
+        /// `--publish-key`.
+        key: String,
+        /// `--lock`.
+        lock: String,
+        /// What lockd's `hello` listed.
+        features: Vec<String>,
+    },
     /// `inheritable_fd()` failed.
     #[error("cannot duplicate the lock connection for the engine: {0}")]
     LockFd(#[source] std::io::Error),
@@ -390,6 +402,20 @@ async fn run_incarnation(
     };
     probe_state.write().lock_connected = true;
     probe_state.mark(probes::MarkKind::LockConnected);
+    if let Some(key) = &args.publish_key {
+        let features = lock
+            .features(args.lock_connect_timeout)
+            .await
+            .unwrap_or_default();
+        if !features.iter().any(|f| f == "put_fenced") {
+            lock.close().await;
+            return Err(RunError::PublishUnsupported {
+                key: key.clone(),
+                lock: args.lock.to_string(),
+                features,
+            });
+        }
+    }
 
     // 1b. `--init-min-free-memory`: the engine is spawned only once the device has the memory
     //     it needs to initialise (bounded; no lease is held, only the connection).
@@ -478,9 +504,20 @@ async fn run_incarnation(
     let mut standby_check: Option<JoinHandle<()>> = None;
     // `GpuChecks::before_wake` in flight (its result becomes WakeCheckPassed/Failed).
     let mut wake_check: Option<JoinHandle<Result<WakeReport, CheckError>>> = None;
+    // `--publish-key`: the pure publisher and its input from the last select, if any.
+    let mut publ = publish::State::Off;
+    let mut pub_in: Option<publish::Input> = None;
+    // A lock request lockd answered `unavailable`, to send again at this time (wait flag),
+    // and how many times in a row that happened (the backoff's exponent).
+    let mut lock_retry: Option<(Instant, bool)> = None;
+    let mut lock_retries: u32 = 0;
 
     let (reason, lease_held) = 'main: loop {
+        if let Some(i) = pub_in.take() {
+            publish_step(&mut publ, &i, &mut lock, args, inc).await;
+        }
         let deadline = machine.state.deadline();
+        let pub_wakeup = publ.wakeup();
         let event = if let Some(ev) = pending.pop_front() {
             Some(ev)
         } else {
@@ -493,10 +530,60 @@ async fn run_incarnation(
                 tracing::warn!(pid = engine.pid, status = %st, "engine exited");
                 Some(Event::EngineExited(st))
             }
+            _ = async {
+                match lock_retry {
+                    Some((at, _)) => tokio::time::sleep_until(at.into()).await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                let wait = lock_retry.take().is_some_and(|(_, w)| w);
+                tracing::info!(wait, attempt = lock_retries, "asking lockd for the lock again");
+                if let Err(e) = lock.acquire(&args.resource, &holder, wait).await {
+                    tracing::error!(error = %e, wait, "acquire failed");
+                    Some(Event::LockClosed(format!("acquire failed: {e}")))
+                } else {
+                    None
+                }
+            }
             ev = lock.next_event() => match ev {
+                Some(ev @ (LockEvent::Queued { .. } | LockEvent::Granted { .. } | LockEvent::Busy { .. })) => {
+                    // lockd serves the request again: the backoff starts over.
+                    if lock_retries > 0 {
+                        tracing::info!(after_retries = lock_retries, "lockd serves the lock request again");
+                        lock_retries = 0;
+                        let mut st = probe_state.write();
+                        if st.waiting.is_some_and(|w| w.reason == probes::WaitReason::LockUnavailable) {
+                            st.waiting = None;
+                        }
+                    }
+                    lock_event(ev, probe_state)
+                }
+                Some(LockEvent::PutDone { deleted: false, resource, key, epoch, revision }) => {
+                    tracing::info!(%resource, %key, epoch, revision, "published (fenced put applied by etcd)");
+                    pub_in = Some(publish::Input::Done { epoch, revision });
+                    None
+                }
+                Some(LockEvent::PutDone { deleted: true, resource, key, epoch, revision }) => {
+                    tracing::info!(%resource, %key, epoch, revision, "publication deleted (fenced delete applied by etcd)");
+                    None
+                }
+                Some(LockEvent::PutRefused { resource, key, code, message }) => {
+                    tracing::warn!(%resource, %key, %code, %message, "fenced put refused");
+                    pub_in = Some(publish::Input::Failed { code });
+                    None
+                }
                 Some(ev) => lock_event(ev, probe_state),
                 None => Some(Event::LockClosed("lock client closed".into())),
             },
+            _ = async {
+                match pub_wakeup {
+                    Some(at) => tokio::time::sleep_until(at.into()).await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                pub_in = Some(publish::Input::Tick);
+                None
+            }
             _ = signals.term.recv() => { tracing::info!("SIGTERM received"); Some(Event::Terminate) }
             _ = signals.int.recv() => { tracing::info!("SIGINT received"); Some(Event::Terminate) }
             _ = pin_tick.tick(), if anchored && !engine_gone => {
@@ -625,6 +712,30 @@ async fn run_incarnation(
                 at_unix_us = at,
                 "transition"
             );
+            if before == Phase::Active {
+                publish_step(&mut publ, &publish::Input::LeftActive, &mut lock, args, inc).await;
+            }
+        }
+        if after == Phase::Active {
+            // Entering Active, or a re-grant while Active (a no-op for the same epoch).
+            let epoch = actions
+                .iter()
+                .rev()
+                .find_map(|a| match a {
+                    Action::SetEpoch(e) => Some(*e),
+                    _ => None,
+                })
+                .or(probe_state.read().epoch);
+            if let Some(epoch) = epoch {
+                publish_step(
+                    &mut publ,
+                    &publish::Input::Active { epoch },
+                    &mut lock,
+                    args,
+                    inc,
+                )
+                .await;
+            }
         }
         for action in actions {
             match action {
@@ -695,6 +806,31 @@ async fn run_incarnation(
                     }
                     probe_state.write().epoch = Some(e);
                     probe_state.metrics().lock_epoch.store(e, Ordering::Relaxed);
+                }
+                Action::RetryLock { wait } => {
+                    let delay = crate::machine::lock_retry_delay(lock_retries);
+                    lock_retries = lock_retries.saturating_add(1);
+                    lock_retry = Some((now + delay, wait));
+                    {
+                        let mut st = probe_state.write();
+                        let since = st
+                            .waiting
+                            .filter(|w| w.reason == probes::WaitReason::LockUnavailable)
+                            .map_or(now, |w| w.since);
+                        st.waiting = Some(probes::Waiting {
+                            reason: probes::WaitReason::LockUnavailable,
+                            since,
+                            timeout: delay,
+                            need_bytes: None,
+                            free_bytes: None,
+                        });
+                    }
+                    tracing::warn!(
+                        wait,
+                        attempt = lock_retries,
+                        delay_ms = delay.as_millis() as u64,
+                        "lockd answered unavailable; the lock request is repeated after a backoff"
+                    );
                 }
                 Action::SpawnKeeper => {
                     // The engine holds a duplicate of the old connection only: hand the new
@@ -781,6 +917,56 @@ async fn run_incarnation(
         came_up,
         spawned: true,
     })
+}
+
+/// One step of the `--publish-key` publisher (nothing without the flag): the transition's
+/// log line and its actions.
+async fn publish_step(
+    publ: &mut publish::State,
+    input: &publish::Input,
+    lock: &mut lockd::client::LockClient,
+    args: &RunArgs,
+    inc: Incarnation,
+) {
+    let Some(key) = &args.publish_key else {
+        return;
+    };
+    let (next, actions) = publish::step(publ, input, Instant::now());
+    if next != *publ {
+        tracing::info!(
+            engine_id = args.engine_id,
+            incarnation = inc.n,
+            key = %key,
+            from = publ.name(),
+            to = next.name(),
+            input = ?input,
+            "publish transition"
+        );
+    }
+    *publ = next;
+    for a in actions {
+        match a {
+            publish::Action::Put { epoch } => {
+                let value = args.publish_value.as_deref().unwrap_or(&args.engine_url);
+                tracing::info!(key = %key, value, epoch, "publishing the Active endpoint (fenced put)");
+                if let Err(e) = lock.put_fenced(&args.resource, key, value).await {
+                    tracing::error!(error = %e, "cannot send the fenced put");
+                }
+            }
+            publish::Action::Withdraw { was_published } => {
+                // Before the fence: the key no longer names an engine that is being stopped.
+                // Fenced (a stale holder cannot delete its successor's value); whatever
+                // happens to it, the key also goes with the session's etcd lease when the
+                // fence closes the lock connection.
+                tracing::info!(key = %key, was_published, "left Active: deleting the published endpoint (fenced delete)");
+                if was_published {
+                    if let Err(e) = lock.delete_fenced(&args.resource, key).await {
+                        tracing::warn!(error = %e, "cannot send the fenced delete; the key goes with the session's etcd lease");
+                    }
+                }
+            }
+        }
+    }
 }
 
 async fn linger_and_stop(

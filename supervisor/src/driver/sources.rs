@@ -193,6 +193,12 @@ pub(super) fn lock_event(ev: LockEvent, state: &ProbeState) -> Option<Event> {
             tracing::error!(%resource, epoch, %cause, "lock lost");
             Some(Event::LockLost(cause))
         }
+        // Answers to `--publish-key`'s fenced puts: the driver takes them before this.
+        LockEvent::PutDone { .. } | LockEvent::PutRefused { .. } => None,
+        LockEvent::Error { code, message } if code == "unavailable" => {
+            tracing::warn!(%code, %message, "lockd cannot serve the lock request for now (etcd unreachable?); asking again after a backoff");
+            Some(Event::LockUnavailable(message))
+        }
         LockEvent::Error { code, message } => {
             tracing::error!(%code, %message, "lockd error");
             Some(Event::LockError(format!("lockd error {code}: {message}")))
