@@ -50,9 +50,19 @@ struct Args {
     /// Write the report (every trial, per-kind figures) as JSON here.
     #[arg(long)]
     report: Option<PathBuf>,
+    /// An environment variable for every lockd, `KEY=VALUE` (repeatable): the test-only
+    /// planted bugs, e.g. `LOCKD_PLANTED_BUG_FENCE_NO_MARGIN=1`.
+    #[arg(long, value_parser = parse_env)]
+    lockd_env: Vec<(String, String)>,
     /// Keep the drill's directory (logs of every process).
     #[arg(long)]
     keep: bool,
+}
+
+fn parse_env(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{s}: not KEY=VALUE"))
 }
 
 fn main() {
@@ -79,7 +89,7 @@ fn run(a: Args) -> anyhow::Result<i32> {
         pause: a.pause,
         drift_ppm: a.drift_ppm,
         watchdog: (!a.watchdog.is_zero()).then_some(a.watchdog),
-        lockd_env: Vec::new(),
+        lockd_env: a.lockd_env,
         election: a.election,
         keep_dir: a.keep,
     };

@@ -70,7 +70,11 @@ pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed) -> Trial {
     let failover_ms = o.granted_us.map(|g| ms(g, o.injected_us));
     if kind.fails_over() {
         match (o.engine_dead_us, first_grant) {
-            (None, _) => v.push("the holder's engine was never seen dead".into()),
+            (None, Some(_)) => v.push(
+                "another node could be granted while the holder's engine was alive (never seen dead)"
+                    .into(),
+            ),
+            (None, None) => v.push("the holder's engine was never seen dead".into()),
             (Some(_), None) => v.push("no other node was granted within the bound".into()),
             (Some(d), Some(g)) if g < d => v.push(format!(
                 "another node could be granted {:.1} ms BEFORE the holder's engine was dead",
