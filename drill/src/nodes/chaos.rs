@@ -43,6 +43,12 @@ impl Chaos {
         !matches!(self, Chaos::LeaderKill | Chaos::MemberPause)
     }
 
+    /// Is the holder stopped by a fence (lockd's self-fence or the supervisor's watchdog)
+    /// rather than by its own death? Then it must have had its kill budget.
+    pub fn fenced(self) -> bool {
+        matches!(self, Chaos::LockdKill | Chaos::LockdStop | Chaos::Partition)
+    }
+
     /// Kebab-case name (flags, report).
     pub fn as_str(self) -> &'static str {
         match self {

@@ -52,8 +52,12 @@ fn ms(later: u64, earlier: u64) -> f64 {
     (later as f64 - earlier as f64) / 1e3
 }
 
-/// Judges one trial.
-pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed) -> Trial {
+/// Judges one trial. `kill_ms` is the kill budget lockd's fence promises the holder
+/// (`--etcd-kill-time`): where a fence or the watchdog is what stops the holder (lockd killed
+/// or frozen, a partition), the engine must have been dead at least that long before anyone
+/// could be granted, since a real engine may need all of it to die (the fake one dies in
+/// milliseconds, so the margin left over is the budget that was really granted).
+pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed, kill_ms: f64) -> Trial {
     let mut v: Vec<String> = o
         .claim_violations
         .iter()
@@ -79,6 +83,10 @@ pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed) -> Trial {
             (Some(d), Some(g)) if g < d => v.push(format!(
                 "another node could be granted {:.1} ms BEFORE the holder's engine was dead",
                 ms(d, g)
+            )),
+            (Some(d), Some(g)) if kind.fenced() && ms(g, d) < kill_ms => v.push(format!(
+                "the holder's engine was dead only {:.1} ms before anyone could be granted, less than its kill budget {kill_ms:.0} ms",
+                ms(g, d)
             )),
             _ => {}
         }
@@ -144,6 +152,7 @@ mod tests {
             Chaos::Partition,
             0,
             failover(2_000_000, 3_200_000, 3_250_000),
+            500.0,
         );
         assert!(t.violations.is_empty(), "{:?}", t.violations);
         assert_eq!(t.margin_ms, Some(1200.0));
@@ -157,6 +166,7 @@ mod tests {
             Chaos::Partition,
             0,
             failover(3_300_000, 3_200_000, 3_400_000),
+            500.0,
         );
         assert_eq!(t.margin_ms, Some(-100.0));
         assert_eq!(t.violations.len(), 1, "{:?}", t.violations);
@@ -164,16 +174,28 @@ mod tests {
     }
 
     #[test]
+    fn a_fenced_holder_dead_with_less_than_its_kill_budget_to_spare_is_a_violation() {
+        let o = failover(3_000_000, 3_150_000, 3_200_000);
+        let t = judge(0, Chaos::Partition, 0, o.clone(), 500.0);
+        assert_eq!(t.violations.len(), 1, "{:?}", t.violations);
+        assert!(t.violations[0].contains("kill budget"));
+        // An engine that died by itself releases its lease after its death: no budget owed.
+        assert!(judge(0, Chaos::EngineKill, 0, o, 500.0)
+            .violations
+            .is_empty());
+    }
+
+    #[test]
     fn missing_death_or_grant_and_claim_lines_are_violations() {
         let mut o = failover(0, 0, 0);
         o.engine_dead_us = None;
         o.claim_violations = vec!["{}".into()];
-        let t = judge(0, Chaos::EngineKill, 0, o);
+        let t = judge(0, Chaos::EngineKill, 0, o, 500.0);
         assert_eq!(t.violations.len(), 2, "{:?}", t.violations);
         let mut o = failover(2, 0, 0);
         o.key_deleted_us = None;
         o.granted_us = None;
-        let t = judge(0, Chaos::LockdKill, 0, o);
+        let t = judge(0, Chaos::LockdKill, 0, o, 500.0);
         assert!(t.violations[0].contains("no other node"));
     }
 
@@ -183,14 +205,14 @@ mod tests {
             injected_us: 5,
             ..Observed::default()
         };
-        assert!(judge(0, Chaos::MemberPause, 0, quiet.clone())
+        assert!(judge(0, Chaos::MemberPause, 0, quiet.clone(), 500.0)
             .violations
             .is_empty());
         let mut moved = quiet;
         moved.granted_us = Some(10);
         moved.key_deleted_us = Some(9);
         moved.holder_left_active = true;
-        let t = judge(0, Chaos::LeaderKill, 0, moved);
+        let t = judge(0, Chaos::LeaderKill, 0, moved, 500.0);
         assert_eq!(t.violations.len(), 4, "{:?}", t.violations);
         assert_eq!(t.margin_ms, None);
     }

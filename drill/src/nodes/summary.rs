@@ -120,6 +120,7 @@ mod tests {
                     granted_us: Some(grant),
                     ..Observed::default()
                 },
+                500.0,
             )
         };
         let r = Report::new(

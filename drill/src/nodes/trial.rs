@@ -130,7 +130,13 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
     w.claims_seen = now;
     drop(keys);
     repair(w, kind, holder)?;
-    Ok(judge(round, kind, holder, o))
+    Ok(judge(
+        round,
+        kind,
+        holder,
+        o,
+        w.cfg.kill_time.as_secs_f64() * 1e3,
+    ))
 }
 
 /// Undo the failure: etcd member back, node healed, lockd running, the fenced side (if it

@@ -143,6 +143,35 @@ fn planted_bug_without_the_watchdog_is_caught() {
     );
 }
 
+/// A planted bug: lockd's fence ignores its margin (`LOCKD_PLANTED_BUG_FENCE_NO_MARGIN`,
+/// debug builds): the holder is told only when etcd may already expire the lease. The fake
+/// engine still dies before the key goes (it dies in milliseconds), but the holder no longer
+/// has its kill budget: the partition check must fail.
+#[test]
+fn planted_bug_fence_without_margin_is_caught_by_the_partition_check() {
+    let _process = harness::serial();
+    let cfg = Config {
+        lockd_env: vec![("LOCKD_PLANTED_BUG_FENCE_NO_MARGIN".into(), "1".into())],
+        ..config()
+    };
+    let Some(r) = drill(
+        "across_nodes::planted_fence_no_margin",
+        cfg,
+        &[Chaos::Partition],
+        2,
+    ) else {
+        return;
+    };
+    let v = violations(&r);
+    eprintln!("planted bug (fence without margin) caught: {v:?}");
+    assert!(
+        v.iter()
+            .any(|v| v.contains("kill budget") || v.contains("BEFORE")),
+        "the partition check did not catch a fence without margin: {}",
+        r.table()
+    );
+}
+
 /// A 3-member etcd whose leader is SIGSTOPped (1.5 TTL) and resumed while a lease is held:
 /// no loss, no second holder. Ignored in CI: it finds a bug in lockd's etcd backend (the
 /// lease is lost, in some runs with the key deleted before the holder's engine was dead);
