@@ -20,6 +20,9 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
         .side
         .as_ref()
         .ok_or_else(|| anyhow!("holder {holder} has no side"))?;
+    if !side.serve_one() {
+        return Err(anyhow!("the holder's engine (node {holder}) did not serve"));
+    }
     let pids = side.engine_pids();
     if pids.is_empty() {
         return Err(anyhow!("holder {holder}'s engine has no live process"));

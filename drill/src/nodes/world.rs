@@ -82,6 +82,8 @@ pub struct Side {
     pub proc: Proc,
     /// Its probe server, on the node's address.
     pub probes: SocketAddr,
+    /// Its engine's HTTP address (the node's address too).
+    pub engine: SocketAddr,
     /// The engine's pid file.
     pub pid_file: PathBuf,
     claim: PathBuf,
@@ -96,6 +98,18 @@ impl Side {
     /// Its phase now.
     pub fn phase(&self) -> Option<Phase> {
         self.state().map(|s| s.state)
+    }
+
+    /// One completion from the engine (as the other drill sends one to each new Active): a
+    /// primary's engine that never slept takes the GPU claim at its first completion, so
+    /// without it the claim would prove nothing. Whether it answered 200.
+    pub fn serve_one(&self) -> bool {
+        harness::http::post_json(
+            &format!("http://{}/v1/completions", self.engine),
+            r#"{"prompt":"hi","max_tokens":1}"#,
+            Duration::from_secs(5),
+        )
+        .is_some_and(|r| r.status == 200)
     }
 
     /// The engine's processes (pid file, `/state.engine_pid` and its descendants), pinned,
@@ -286,7 +300,7 @@ impl World {
         let n = self.nodes[i].lives;
         let node = &self.nodes[i];
         let probes = SocketAddr::from((self.addr(i), 9100 + n as u16));
-        let engine_port = 8100 + n as u16;
+        let engine = SocketAddr::from((self.addr(i), 8100 + n as u16));
         let pid_file = node.dir.join(format!("engine.{n}.pids"));
         let mut c = self.net.command_in(i, &self.bins.supervisor);
         c.arg("run")
@@ -295,7 +309,7 @@ impl World {
             .arg(format!("unix:{}", node.lockd_sock().display()))
             .args(["--resource", RESOURCE])
             .args(["--probes", &probes.to_string(), "--adapter", "vllm"])
-            .args(["--engine-url", &format!("http://127.0.0.1:{engine_port}")])
+            .args(["--engine-url", &format!("http://{engine}")])
             .args(["--health-interval", "200ms", "--startup-poll", "20ms"])
             .args(["--restart", "never"]);
         if let Some(w) = self.cfg.watchdog {
@@ -303,7 +317,8 @@ impl World {
         }
         c.arg("--")
             .arg(&self.bins.fake_engine)
-            .args(["--port", &engine_port.to_string()])
+            .args(["--host", &engine.ip().to_string()])
+            .args(["--port", &engine.port().to_string()])
             .args(["--engine-id", &i.to_string()])
             .arg("--gpu-claim")
             .arg(&self.claim)
@@ -324,6 +339,7 @@ impl World {
         self.nodes[i].side = Some(Side {
             proc,
             probes,
+            engine,
             pid_file,
             claim: self.claim.clone(),
         });
