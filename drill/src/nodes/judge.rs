@@ -80,6 +80,9 @@ pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed, kill_ms: f64
             ),
             (None, None) => v.push("the holder's engine was never seen dead".into()),
             (Some(_), None) => v.push("no other node was granted within the bound".into()),
+            (Some(_), Some(_)) if o.granted_us.is_none() => v.push(
+                "the holder's key went but no other node took over within the bound".into(),
+            ),
             (Some(d), Some(g)) if g < d => v.push(format!(
                 "another node could be granted {:.1} ms BEFORE the holder's engine was dead",
                 ms(d, g)

@@ -85,7 +85,12 @@ pub fn run(
         on_trial(&t);
         trials.push(t);
     }
-    Ok(Outcome::Ran(Report::new(ttl_ms, trials)))
+    let report = Report::new(ttl_ms, trials);
+    // Violations: keep every log for the diagnosis (the path is printed on drop).
+    if report.violations() > 0 {
+        w.cfg.keep_dir = true;
+    }
+    Ok(Outcome::Ran(report))
 }
 
 /// One line per trial, as the drill prints it.
