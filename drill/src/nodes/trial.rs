@@ -30,20 +30,24 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
     let key = w
         .owner_key()
         .ok_or_else(|| anyhow!("no owner key under {KEY_PREFIX} (etcdctl?)"))?;
-    let marker = format!("/lockd.drill/marker-{round}");
-    let keys = {
+    // One watch per member (each pinned to its endpoint), the earliest deletion counts: a
+    // watch on a paused or killed member would report it late (a later deletion time only
+    // makes the margin look larger; with three, one is always on a live member).
+    let mut keys = Vec::new();
+    for (m, url) in w.etcd_url_list().into_iter().enumerate() {
+        let marker = format!("/lockd.drill/marker-{round}-{m}");
         let put = w.etcdctl().map(|mut c| {
             c.args(["put", &marker, "x"]);
             c
         });
-        w.etcdctl().and_then(|c| {
+        let watch = w.etcdctl_at(&url).and_then(|c| {
             KeyWatch::start(c, "/lockd", &marker, move || {
                 put.and_then(|mut c| c.output().ok())
                     .is_some_and(|o| o.status.success())
             })
-        })
+        });
+        keys.push(watch.ok_or_else(|| anyhow!("etcd watch on {url} not established"))?);
     }
-    .ok_or_else(|| anyhow!("etcd watch not established"))?;
     let bound = ttl * 3 + Duration::from_secs(10);
     let death = DeathWatch::start(pids.clone(), bound + Duration::from_secs(10));
     let leader = super::leader(w)?;
@@ -126,7 +130,7 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
     // A deletion seen up to here counts (the watch's own delay is milliseconds).
     std::thread::sleep(Duration::from_millis(100));
     o.engine_dead_us = death.dead_us();
-    o.key_deleted_us = keys.deleted_us(&key);
+    o.key_deleted_us = keys.iter().filter_map(|k| k.deleted_us(&key)).min();
     let mut claims = w.claim_violations();
     let now = claims.len();
     o.claim_violations = claims.split_off(w.claims_seen.min(now));

@@ -433,13 +433,19 @@ impl World {
 
     /// `etcdctl` against this world's etcd (None without etcdctl).
     pub fn etcdctl(&self) -> Option<Command> {
+        self.etcdctl_at(&self.etcd_urls())
+    }
+
+    /// Each member's client URL.
+    pub fn etcd_url_list(&self) -> Vec<String> {
+        self.etcd.iter().map(|e| e.client_url.clone()).collect()
+    }
+
+    /// `etcdctl` against these endpoints only.
+    pub fn etcdctl_at(&self, endpoints: &str) -> Option<Command> {
         let mut c = Command::new(harness::etcd::etcdctl()?);
-        c.env("ETCDCTL_API", "3").args([
-            "--endpoints",
-            &self.etcd_urls(),
-            "--command-timeout",
-            "3s",
-        ]);
+        c.env("ETCDCTL_API", "3")
+            .args(["--endpoints", endpoints, "--command-timeout", "3s"]);
         Some(c)
     }
 
