@@ -315,3 +315,37 @@ impl Drop for Proxy {
         let _ = TcpStream::connect(("127.0.0.1", self.port));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A paused member does not answer, a resumed one does; a killed one restarts on its data
+    /// and rejoins (here: a single member, its data kept). Skips without an etcd binary.
+    #[test]
+    fn a_member_pauses_resumes_and_restarts_on_its_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let Some(mut e) = Etcd::start(dir.path()) else {
+            crate::skip::skip("etcd::a_member_pauses", "no etcd binary");
+            return;
+        };
+        assert!(e.pause());
+        assert!(!e.healthy(), "a paused etcd answered");
+        assert!(e.resume());
+        assert!(crate::wait_until(
+            Duration::from_secs(10),
+            Duration::from_millis(50),
+            || e.healthy()
+        ));
+        assert_eq!(Etcd::leader_of(std::slice::from_ref(&e)), Some(0));
+        e.kill();
+        assert!(!e.healthy());
+        e.restart().unwrap();
+        assert!(
+            crate::wait_until(Duration::from_secs(20), Duration::from_millis(50), || e
+                .healthy()),
+            "not healthy after the restart: {}",
+            e.proc().log_text()
+        );
+    }
+}
