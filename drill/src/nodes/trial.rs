@@ -96,15 +96,22 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
         let end = Instant::now() + bound;
         while o.granted_us.is_none() && Instant::now() < end {
             for i in (0..w.nodes.len()).filter(|i| *i != holder) {
-                let Some(st) = w.nodes[i].side.as_ref().and_then(|s| s.state()) else {
+                let Some(side) = w.nodes[i].side.as_ref() else {
                     continue;
                 };
-                let t = st.transitions.iter().find(|t| {
-                    matches!(t.to, Phase::Waking | Phase::Active)
-                        && u64::try_from(t.at_unix_us).is_ok_and(|at| at >= injected_us)
-                });
-                if let Some(t) = t {
-                    o.granted_us = u64::try_from(t.at_unix_us).ok();
+                // From `/state`, or, for a supervisor that was granted and exited between two
+                // polls (its wake failed), from its log.
+                let at = match side.state() {
+                    Some(st) => st
+                        .transitions
+                        .iter()
+                        .filter(|t| matches!(t.to, Phase::Waking | Phase::Active))
+                        .filter_map(|t| u64::try_from(t.at_unix_us).ok())
+                        .find(|at| *at >= injected_us),
+                    None => logged_waking(&side.proc.log_text(), injected_us),
+                };
+                if let Some(at) = at {
+                    o.granted_us = Some(at);
                     o.new_holder = Some(i);
                     break;
                 }
@@ -205,5 +212,28 @@ fn watch_quiet(w: &World, holder: usize, limit: Duration, o: &mut Observed) {
             }
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The first `to="waking"` transition at or after `since_us` in a supervisor's log.
+fn logged_waking(log: &str, since_us: u64) -> Option<u64> {
+    log.lines()
+        .filter(|l| l.contains("to=\"waking\""))
+        .filter_map(|l| {
+            let rest = &l[l.find("at_unix_us=")? + "at_unix_us=".len()..];
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().ok()
+        })
+        .find(|at| *at >= since_us)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_logged_waking_transition_is_found_after_the_injection() {
+        let log = "x transition from=\"standby\" to=\"waking\" event=LockGranted at_unix_us=100\n\
+                   y transition from=\"standby\" to=\"waking\" event=LockGranted at_unix_us=250\n";
+        assert_eq!(super::logged_waking(log, 200), Some(250));
+        assert_eq!(super::logged_waking(log, 300), None);
     }
 }
