@@ -19,9 +19,13 @@
 //! ahead of time), [`invariants`] (pure checks and interval bookkeeping), [`report`]
 //! (statistics, table, JSON), [`svg`] (picture), [`procs`] and [`observe`] (the I/O the runner
 //! uses), `runner` (the orchestration: lockd, sides, kubelet emulation, rounds).
+//!
+//! [`nodes`] is the other drill, across "nodes" (`supervisor-drill-nodes`: network
+//! namespaces, a 3-member etcd, lockd's etcd backend; docs/ETCD.md).
 
 pub mod flags;
 pub mod invariants;
+pub mod nodes;
 pub mod observe;
 pub mod procs;
 pub mod report;

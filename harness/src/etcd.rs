@@ -1,6 +1,8 @@
-//! A real single-member etcd (Debian's `etcd-server`) on free loopback ports, its data in a
-//! temp dir, killed with its process group on drop; and a TCP proxy that can black-hole a
-//! client's traffic to it (a partition without a network namespace).
+//! A real etcd (Debian's `etcd-server`): one member or a cluster, on free loopback ports or on
+//! another local address (a bridge's, for the network-namespace drill), its data in a temp dir,
+//! killed with its process group on drop, restartable on its data (a killed member rejoins),
+//! pausable (SIGSTOP / SIGCONT); and a TCP proxy that can black-hole a client's traffic to it
+//! (a partition without a network namespace).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -46,6 +48,8 @@ fn go_arch() -> &'static str {
 /// A running etcd.
 pub struct Etcd {
     proc: Proc,
+    /// How it was started (restart runs it again on the same data dir).
+    cmd: (PathBuf, Vec<std::ffi::OsString>),
     /// Client URL, `http://127.0.0.1:PORT`.
     pub client_url: String,
     /// Client port.
@@ -65,6 +69,18 @@ impl Etcd {
     /// (bounded, 30 s) until every member is healthy (has a leader). None without an etcd
     /// binary; panics if it does not come up.
     pub fn start_cluster(dir: &Path, n: usize) -> Option<Vec<Etcd>> {
+        Etcd::start_cluster_on(dir, n, std::net::Ipv4Addr::LOCALHOST, &[])
+    }
+
+    /// [`start_cluster`](Self::start_cluster) on `host` (a local address: loopback or a
+    /// bridge's), with `extra` etcd flags (e.g. `--heartbeat-interval`). Ports are picked free
+    /// on loopback, which no process of this machine binds on every address in practice.
+    pub fn start_cluster_on(
+        dir: &Path,
+        n: usize,
+        host: std::net::Ipv4Addr,
+        extra: &[&str],
+    ) -> Option<Vec<Etcd>> {
         let bin = binary()?;
         let ports: Vec<(u16, u16)> = (0..n)
             .map(|_| (crate::net::free_port(), crate::net::free_port()))
@@ -72,13 +88,13 @@ impl Etcd {
         let initial: Vec<String> = ports
             .iter()
             .enumerate()
-            .map(|(i, (_, p))| format!("e{i}=http://127.0.0.1:{p}"))
+            .map(|(i, (_, p))| format!("e{i}=http://{host}:{p}"))
             .collect();
         let initial = initial.join(",");
         let mut members = Vec::new();
         for (i, (client_port, peer_port)) in ports.iter().enumerate() {
-            let client_url = format!("http://127.0.0.1:{client_port}");
-            let peer_url = format!("http://127.0.0.1:{peer_port}");
+            let client_url = format!("http://{host}:{client_port}");
+            let peer_url = format!("http://{host}:{peer_port}");
             let mut cmd = Command::new(&bin);
             cmd.args(["--name", &format!("e{i}"), "--data-dir"])
                 .arg(dir.join(format!("etcd-{i}")))
@@ -97,12 +113,15 @@ impl Etcd {
                     "new",
                     "--log-level",
                     "warn",
-                ]);
+                ])
+                .args(extra);
             // Debian's etcd 3.4 on arm64 needs this; harmless elsewhere.
             cmd.env("ETCD_UNSUPPORTED_ARCH", go_arch());
+            let args = cmd.get_args().map(|a| a.to_os_string()).collect();
             let proc = Proc::spawn(&format!("etcd-{i}"), cmd, dir.join(format!("etcd-{i}.log")));
             members.push(Etcd {
                 proc,
+                cmd: (bin.clone(), args),
                 client_url,
                 client_port: *client_port,
             });
@@ -160,6 +179,35 @@ impl Etcd {
     /// Its process (signals, log).
     pub fn proc(&self) -> &Proc {
         &self.proc
+    }
+
+    /// Start it again on its data dir (after [`kill`](Self::kill)): it rejoins its cluster
+    /// (etcd ignores the `--initial-cluster` flags once its data dir has a WAL). Its log is
+    /// appended to. Does not wait for health (see [`healthy`](Self::healthy)).
+    pub fn restart(&mut self) -> std::io::Result<()> {
+        self.proc.kill();
+        let mut cmd = Command::new(&self.cmd.0);
+        cmd.args(&self.cmd.1)
+            .env("ETCD_UNSUPPORTED_ARCH", go_arch());
+        self.proc = Proc::try_spawn_appending(&self.proc.name, cmd, self.proc.log.clone())?;
+        Ok(())
+    }
+
+    /// SIGSTOP: the member is frozen (its sockets stay open, nothing answers); false if it is
+    /// not running.
+    pub fn pause(&self) -> bool {
+        self.proc.signal(nix::sys::signal::Signal::SIGSTOP)
+    }
+
+    /// SIGCONT after [`pause`](Self::pause).
+    pub fn resume(&self) -> bool {
+        self.proc.signal(nix::sys::signal::Signal::SIGCONT)
+    }
+
+    /// The index of the cluster's leader among `members`, as the members that answer say
+    /// (None while none claims to be leader).
+    pub fn leader_of(members: &[Etcd]) -> Option<usize> {
+        members.iter().position(|m| m.is_leader() == Some(true))
     }
 }
 
@@ -265,5 +313,39 @@ impl Drop for Proxy {
         }
         // Wake the accept loop so that it sees `stop`.
         let _ = TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A paused member does not answer, a resumed one does; a killed one restarts on its data
+    /// and rejoins (here: a single member, its data kept). Skips without an etcd binary.
+    #[test]
+    fn a_member_pauses_resumes_and_restarts_on_its_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let Some(mut e) = Etcd::start(dir.path()) else {
+            crate::skip::skip("etcd::a_member_pauses", "no etcd binary");
+            return;
+        };
+        assert!(e.pause());
+        assert!(!e.healthy(), "a paused etcd answered");
+        assert!(e.resume());
+        assert!(crate::wait_until(
+            Duration::from_secs(10),
+            Duration::from_millis(50),
+            || e.healthy()
+        ));
+        assert_eq!(Etcd::leader_of(std::slice::from_ref(&e)), Some(0));
+        e.kill();
+        assert!(!e.healthy());
+        e.restart().unwrap();
+        assert!(
+            crate::wait_until(Duration::from_secs(20), Duration::from_millis(50), || e
+                .healthy()),
+            "not healthy after the restart: {}",
+            e.proc().log_text()
+        );
     }
 }

@@ -6,7 +6,8 @@
 //! * [`cluster`]: one test's world (temp dir, lockd, supervisors; [`Cluster`]),
 //! * [`lockd`], [`gmsd`]: THE `lockd serve` / `gmsd` launchers (spec -> `Command` for sync
 //!   and async callers such as the drill, readiness, a sync owner [`Lockd`] / [`Gmsd`]),
-//! * [`etcd`]: a real single-member etcd on loopback and a proxy that can black-hole it,
+//! * [`etcd`]: a real etcd (one member or a cluster, on loopback or a bridge) and a proxy that
+//!   can black-hole it, [`netns`]: network namespaces as nodes on a bridge (partition, heal),
 //! * [`kubelet`]: a pure model of kubelet's prober worker (the kubelet replay and the drill),
 //! * [`mod@serial`]: the process guards of a test binary: [`serial()`] (alone) and
 //!   [`shared()`] (beside other shared tests),
@@ -28,6 +29,7 @@ pub mod kubelet;
 pub mod lockd;
 pub mod metrics;
 pub mod net;
+pub mod netns;
 pub mod proc;
 pub mod serial;
 pub mod skip;

@@ -2,9 +2,12 @@
 //! itself or on `$PATH`, and says where it looked (exit 127) when it is nowhere. (This test
 //! binary is also what makes `cargo test --workspace` build `supervisor-drill`, which the
 //! end-to-end drill tests run.) The drill's rounds themselves are exercised by
-//! `tests/tests/e2e/drill_ci.rs` and `drill_compound.rs`.
+//! `tests/tests/e2e/drill_ci.rs` and `drill_compound.rs`; the drill across nodes (network
+//! namespaces, etcd) by `across_nodes`.
 
 use std::process::Command;
+
+mod across_nodes;
 
 #[test]
 fn supervisor_drill_execs_the_drill_binary() {

@@ -182,7 +182,11 @@ pub enum Standing {
 }
 
 /// Where the key with create revision `my_rev` stands in `resource`'s line: one range read
-/// of the resource's keys (in create order, older than ours only).
+/// of the resource's keys (in create order, ours and the older ones). Our own key must be in
+/// that read: a key whose lease expired or was revoked while we waited (etcd deleted it) has
+/// no standing at all, and "nothing older than mine" must not make it the owner (the drill
+/// across nodes saw two lockds grant at once that way); that is an error, and the session's
+/// fence reports its lost lease.
 pub async fn standing(
     client: &mut Client,
     limit: Duration,
@@ -192,13 +196,18 @@ pub async fn standing(
 ) -> Result<Standing, EtcdError> {
     let opts = GetOptions::new()
         .with_prefix()
-        .with_max_create_revision(my_rev - 1)
+        .with_max_create_revision(my_rev)
         .with_sort(SortTarget::Create, SortOrder::Ascend);
     let resp = bounded(
         limit,
         client.get(resource_prefix(prefix, resource), Some(opts)),
     )
     .await?;
+    if !resp.kvs().iter().any(|kv| kv.create_revision() == my_rev) {
+        return Err(EtcdError::Unexpected(format!(
+            "our lock key (create revision {my_rev}) is gone: its etcd lease expired or was revoked"
+        )));
+    }
     // The filter is applied by etcd, but count on what came back, not on `count` (etcd
     // counts the range before filtering).
     let older: Vec<&etcd_client::KeyValue> = resp

@@ -1,0 +1,222 @@
+//! What one trial of the drill across nodes saw, and the invariants it must keep. Pure: the
+//! runner observes, this module judges.
+
+use serde::{Deserialize, Serialize};
+
+use super::chaos::Chaos;
+
+/// What the runner recorded in one trial, on the wall clock (µs since the Unix epoch, the
+/// supervisors' `/state` clock; every process runs on this machine).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Observed {
+    /// When the failure was injected.
+    pub injected_us: u64,
+    /// When every process of the holder's engine was first seen dead (polled every ms).
+    pub engine_dead_us: Option<u64>,
+    /// When etcd's watch reported the holder's lock key deleted: from then on anyone may be
+    /// granted (the earliest possible grant on any node).
+    pub key_deleted_us: Option<u64>,
+    /// When another node's supervisor left Standby (its `/state` transition to Waking): its
+    /// grant, as that node saw it.
+    pub granted_us: Option<u64>,
+    /// That node.
+    pub new_holder: Option<usize>,
+    /// The holder's supervisor was seen out of Active during the window (no-failover kinds).
+    pub holder_left_active: bool,
+    /// Lines the fake engines appended to the GPU claim's violations file since the previous
+    /// trial's end (the ground truth: an engine found the claim held by another).
+    pub claim_violations: Vec<String>,
+}
+
+/// One trial's result, as reported.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Trial {
+    /// Trial number (0-based).
+    pub round: usize,
+    /// What was injected.
+    pub kind: Chaos,
+    /// The node whose side was Active.
+    pub holder: usize,
+    /// What was seen.
+    pub observed: Observed,
+    /// Old engine dead → lock key deleted or new grant, whichever first (ms, signed; must
+    /// never be negative). None when there was no failover.
+    pub margin_ms: Option<f64>,
+    /// Injection → the other node's grant (ms): the failover time.
+    pub failover_ms: Option<f64>,
+    /// Invariant violations (empty: the trial passed).
+    pub violations: Vec<String>,
+}
+
+fn ms(later: u64, earlier: u64) -> f64 {
+    (later as f64 - earlier as f64) / 1e3
+}
+
+/// Judges one trial. `kill_ms` is the kill budget lockd's fence promises the holder
+/// (`--etcd-kill-time`): where a fence or the watchdog is what stops the holder (lockd killed
+/// or frozen, a partition), the engine must have been dead at least that long before anyone
+/// could be granted, since a real engine may need all of it to die (the fake one dies in
+/// milliseconds, so the margin left over is the budget that was really granted).
+pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed, kill_ms: f64) -> Trial {
+    let mut v: Vec<String> = o
+        .claim_violations
+        .iter()
+        .map(|l| format!("GPU claim violated (two engines at once): {l}"))
+        .collect();
+    let first_grant = match (o.key_deleted_us, o.granted_us) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    let margin_ms = match (first_grant, o.engine_dead_us) {
+        (Some(g), Some(d)) => Some(ms(g, d)),
+        _ => None,
+    };
+    let failover_ms = o.granted_us.map(|g| ms(g, o.injected_us));
+    if kind.fails_over() {
+        match (o.engine_dead_us, first_grant) {
+            (None, Some(_)) => v.push(
+                "another node could be granted while the holder's engine was alive (never seen dead)"
+                    .into(),
+            ),
+            (None, None) => v.push("the holder's engine was never seen dead".into()),
+            (Some(_), None) => v.push("no other node was granted within the bound".into()),
+            (Some(_), Some(_)) if o.granted_us.is_none() => v.push(
+                "the holder's key went but no other node took over within the bound".into(),
+            ),
+            (Some(d), Some(g)) if g < d => v.push(format!(
+                "another node could be granted {:.1} ms BEFORE the holder's engine was dead",
+                ms(d, g)
+            )),
+            (Some(d), Some(g)) if kind.fenced() && ms(g, d) < kill_ms => v.push(format!(
+                "the holder's engine was dead only {:.1} ms before anyone could be granted, less than its kill budget {kill_ms:.0} ms",
+                ms(g, d)
+            )),
+            _ => {}
+        }
+    } else {
+        if let Some(g) = o.granted_us {
+            v.push(format!(
+                "the lease moved to node {:?} {:.0} ms after the injection",
+                o.new_holder,
+                ms(g, o.injected_us)
+            ));
+        }
+        if let Some(k) = o.key_deleted_us {
+            v.push(format!(
+                "the holder's lock key was deleted {:.0} ms after the injection (lease lost)",
+                ms(k, o.injected_us)
+            ));
+        }
+        if o.holder_left_active {
+            v.push("the holder left Active".into());
+        }
+        match (o.engine_dead_us, first_grant) {
+            (Some(d), Some(g)) if g < d => v.push(format!(
+                "another node could be granted {:.1} ms BEFORE the holder's engine was dead",
+                ms(d, g)
+            )),
+            (Some(_), _) => v.push("the holder's engine died".into()),
+            (None, Some(_)) => {
+                v.push("another node was granted while the holder's engine was alive".into())
+            }
+            (None, None) => {}
+        }
+    }
+    Trial {
+        round,
+        kind,
+        holder,
+        observed: o,
+        margin_ms,
+        failover_ms,
+        violations: v,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failover(dead: u64, deleted: u64, granted: u64) -> Observed {
+        Observed {
+            injected_us: 1_000_000,
+            engine_dead_us: Some(dead),
+            key_deleted_us: Some(deleted),
+            granted_us: Some(granted),
+            new_holder: Some(1),
+            ..Observed::default()
+        }
+    }
+
+    #[test]
+    fn a_grant_after_the_engines_death_passes_with_its_margin() {
+        let t = judge(
+            0,
+            Chaos::Partition,
+            0,
+            failover(2_000_000, 3_200_000, 3_250_000),
+            500.0,
+        );
+        assert!(t.violations.is_empty(), "{:?}", t.violations);
+        assert_eq!(t.margin_ms, Some(1200.0));
+        assert_eq!(t.failover_ms, Some(2250.0));
+    }
+
+    #[test]
+    fn a_key_deleted_before_the_engines_death_is_a_violation_even_if_the_grant_is_later() {
+        let t = judge(
+            0,
+            Chaos::Partition,
+            0,
+            failover(3_300_000, 3_200_000, 3_400_000),
+            500.0,
+        );
+        assert_eq!(t.margin_ms, Some(-100.0));
+        assert_eq!(t.violations.len(), 1, "{:?}", t.violations);
+        assert!(t.violations[0].contains("BEFORE"));
+    }
+
+    #[test]
+    fn a_fenced_holder_dead_with_less_than_its_kill_budget_to_spare_is_a_violation() {
+        let o = failover(3_000_000, 3_150_000, 3_200_000);
+        let t = judge(0, Chaos::Partition, 0, o.clone(), 500.0);
+        assert_eq!(t.violations.len(), 1, "{:?}", t.violations);
+        assert!(t.violations[0].contains("kill budget"));
+        // An engine that died by itself releases its lease after its death: no budget owed.
+        assert!(judge(0, Chaos::EngineKill, 0, o, 500.0)
+            .violations
+            .is_empty());
+    }
+
+    #[test]
+    fn missing_death_or_grant_and_claim_lines_are_violations() {
+        let mut o = failover(0, 0, 0);
+        o.engine_dead_us = None;
+        o.claim_violations = vec!["{}".into()];
+        let t = judge(0, Chaos::EngineKill, 0, o, 500.0);
+        assert_eq!(t.violations.len(), 2, "{:?}", t.violations);
+        let mut o = failover(2, 0, 0);
+        o.key_deleted_us = None;
+        o.granted_us = None;
+        let t = judge(0, Chaos::LockdKill, 0, o, 500.0);
+        assert!(t.violations[0].contains("no other node"));
+    }
+
+    #[test]
+    fn an_etcd_failure_must_not_move_or_lose_the_lease() {
+        let quiet = Observed {
+            injected_us: 5,
+            ..Observed::default()
+        };
+        assert!(judge(0, Chaos::MemberPause, 0, quiet.clone(), 500.0)
+            .violations
+            .is_empty());
+        let mut moved = quiet;
+        moved.granted_us = Some(10);
+        moved.key_deleted_us = Some(9);
+        moved.holder_left_active = true;
+        let t = judge(0, Chaos::LeaderKill, 0, moved, 500.0);
+        assert_eq!(t.violations.len(), 4, "{:?}", t.violations);
+        assert_eq!(t.margin_ms, None);
+    }
+}

@@ -1,0 +1,116 @@
+//! The drill across "nodes" (`supervisor-drill-nodes`, issue 13): each node is a network
+//! namespace on a bridge with its own `lockd serve --backend etcd`, `supervisor run
+//! --lock-watchdog` and fake engine; a 3-member etcd runs on the bridge's address. Each trial
+//! injects one [`Chaos`] while one node is Active and judges it ([`judge`]): the fake engines'
+//! exclusive GPU claim is the ground truth (two engines at once is a violation), and for every
+//! failover the holder's engine must be dead before its lock key is deleted in etcd and before
+//! any other node is granted, the difference (the margin) measured in every trial; an etcd
+//! failure (leader killed, member paused) must not move or lose the lease at all.
+//!
+//! Modules: [`chaos`] (the kinds), [`world`] (namespaces, etcd, lockds, sides), [`watch`]
+//! (engine death and etcd key deletion clocks), `trial` (inject, observe, repair),
+//! [`judge`] (the invariants, pure), [`summary`] (the report).
+
+pub mod chaos;
+pub mod judge;
+pub mod summary;
+mod trial;
+pub mod watch;
+pub mod world;
+
+use std::time::Duration;
+
+use anyhow::{anyhow, Result};
+
+pub use chaos::Chaos;
+pub use judge::Trial;
+pub use summary::Report;
+pub use world::{Config, StartError, World};
+
+/// What a run did.
+#[derive(Debug)]
+pub enum Outcome {
+    /// This machine cannot run it (no namespaces, no etcd): the reason.
+    Skipped(String),
+    /// Every trial, judged.
+    Ran(Report),
+}
+
+/// The etcd leader's index (bounded: 10 s).
+pub(crate) fn leader(w: &World) -> Result<usize> {
+    let mut found = None;
+    harness::wait_until(Duration::from_secs(10), Duration::from_millis(50), || {
+        found = harness::etcd::Etcd::leader_of(&w.etcd);
+        found.is_some()
+    });
+    found.ok_or_else(|| anyhow!("no etcd leader within 10 s"))
+}
+
+/// Runs `rounds` trials, the kinds round-robin; `on_trial` sees each one as it is judged.
+pub fn run(
+    cfg: Config,
+    kinds: &[Chaos],
+    rounds: usize,
+    mut on_trial: impl FnMut(&Trial),
+) -> Result<Outcome> {
+    if kinds.is_empty() {
+        return Err(anyhow!("no chaos kinds"));
+    }
+    let ttl_ms = cfg.ttl.as_millis() as u64;
+    let mut w = match World::start(cfg) {
+        Ok(w) => w,
+        Err(StartError::Skip(why)) => return Ok(Outcome::Skipped(why)),
+        Err(StartError::Failed(e)) => return Err(e),
+    };
+    w.bring_up(Duration::from_secs(60))?;
+    let mut trials = Vec::new();
+    let mut expected = Some(0);
+    for round in 0..rounds {
+        let kind = kinds[round % kinds.len()];
+        let holder = w.wait_steady(Duration::from_secs(60))?;
+        let mut t = trial::run(&mut w, round, kind, holder)
+            .map_err(|e| anyhow!("trial {round} ({}): {e:#}\n{}", kind.as_str(), w.logs()))?;
+        // Nothing may move the lease between trials (a failure's late effect).
+        if expected.is_some_and(|e| e != holder) {
+            t.violations.push(format!(
+                "the lease moved between trials: n{} was expected Active, n{holder} was",
+                expected.unwrap_or_default()
+            ));
+        }
+        expected = if kind.fails_over() {
+            t.observed.new_holder
+        } else {
+            Some(holder)
+        };
+        on_trial(&t);
+        trials.push(t);
+    }
+    let report = Report::new(ttl_ms, trials);
+    // Violations: keep every log for the diagnosis (the path is printed on drop).
+    if report.violations() > 0 {
+        w.cfg.keep_dir = true;
+    }
+    Ok(Outcome::Ran(report))
+}
+
+/// One line per trial, as the drill prints it.
+pub fn trial_line(t: &Trial) -> String {
+    let f = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.0} ms"));
+    format!(
+        "trial {:>3} at {:.3} {:<15} holder n{} -> {:<4} failover {:>8}  margin {:>8}  {}",
+        t.round,
+        (t.observed.injected_us % 100_000_000) as f64 / 1e6,
+        t.kind.as_str(),
+        t.holder,
+        t.observed
+            .new_holder
+            .map_or("-".to_string(), |n| format!("n{n}")),
+        f(t.failover_ms),
+        f(t.margin_ms),
+        if t.violations.is_empty() {
+            "ok".to_string()
+        } else {
+            format!("VIOLATION: {}", t.violations.join("; "))
+        }
+    )
+}

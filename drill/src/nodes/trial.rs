@@ -1,0 +1,239 @@
+//! One trial: the failure injected on the holder's node (or on etcd), what happened, the
+//! repair (heal, restart what was killed, the fenced side back as a shadow).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Result};
+use nix::sys::signal::Signal;
+use probes::Phase;
+
+use super::chaos::Chaos;
+use super::judge::{judge, Observed, Trial};
+use super::watch::{DeathWatch, KeyWatch};
+use super::world::{World, KEY_PREFIX};
+use crate::procs::now_us;
+
+/// Runs trial `round` of `kind` with `holder` Active; the judged trial.
+pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Trial> {
+    let ttl = w.cfg.ttl;
+    let side = w.nodes[holder]
+        .side
+        .as_ref()
+        .ok_or_else(|| anyhow!("holder {holder} has no side"))?;
+    if !side.serve_one() {
+        return Err(anyhow!("the holder's engine (node {holder}) did not serve"));
+    }
+    let pids = side.engine_pids();
+    if pids.is_empty() {
+        return Err(anyhow!("holder {holder}'s engine has no live process"));
+    }
+    let key = w
+        .owner_key()
+        .ok_or_else(|| anyhow!("no owner key under {KEY_PREFIX} (etcdctl?)"))?;
+    // One watch per member (each pinned to its endpoint), the earliest deletion counts: a
+    // watch on a paused or killed member would report it late (a later deletion time only
+    // makes the margin look larger; with three, one is always on a live member).
+    let mut keys = Vec::new();
+    for (m, url) in w.etcd_url_list().into_iter().enumerate() {
+        let marker = format!("/lockd.drill/marker-{round}-{m}");
+        let put = w.etcdctl().map(|mut c| {
+            c.args(["put", &marker, "x"]);
+            c
+        });
+        let watch = w.etcdctl_at(&url).and_then(|c| {
+            KeyWatch::start(c, "/lockd", &marker, move || {
+                put.and_then(|mut c| c.output().ok())
+                    .is_some_and(|o| o.status.success())
+            })
+        });
+        keys.push(watch.ok_or_else(|| anyhow!("etcd watch on {url} not established"))?);
+    }
+    let bound = ttl * 3 + Duration::from_secs(10);
+    let death = DeathWatch::start(pids.clone(), bound + Duration::from_secs(10));
+    let leader = super::leader(w)?;
+
+    let injected_us = now_us();
+    let mut o = Observed {
+        injected_us,
+        ..Observed::default()
+    };
+    match kind {
+        Chaos::EngineKill => {
+            // The engine's main process is the first line of its pid file.
+            if let Some(p) = pids.first() {
+                p.signal(Signal::SIGKILL);
+            }
+        }
+        Chaos::SupervisorKill => {
+            if let Some(s) = w.nodes[holder].side.as_ref() {
+                s.proc.signal(Signal::SIGKILL);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            for p in &pids {
+                p.signal(Signal::SIGKILL);
+            }
+        }
+        Chaos::LockdKill => {
+            if let Some(p) = w.nodes[holder].lockd.as_mut() {
+                p.kill();
+            }
+        }
+        Chaos::LockdStop => {
+            if let Some(p) = w.nodes[holder].lockd.as_ref() {
+                p.signal(Signal::SIGSTOP);
+            }
+        }
+        Chaos::Partition => w.net.partition(holder)?,
+        Chaos::LeaderKill => w.etcd[leader].kill(),
+        Chaos::MemberPause => {
+            w.etcd[leader].pause();
+        }
+    }
+
+    if kind.fails_over() {
+        // Another node's grant: its supervisor leaves Standby (polled; the time is its own
+        // `/state` transition). The partitioned or frozen holder is not asked.
+        let end = Instant::now() + bound;
+        while o.granted_us.is_none() && Instant::now() < end {
+            for i in (0..w.nodes.len()).filter(|i| *i != holder) {
+                let Some(side) = w.nodes[i].side.as_ref() else {
+                    continue;
+                };
+                // From `/state`, or, for a supervisor that was granted and exited between two
+                // polls (its wake failed), from its log.
+                let at = match side.state() {
+                    Some(st) => st
+                        .transitions
+                        .iter()
+                        .filter(|t| matches!(t.to, Phase::Waking | Phase::Active))
+                        .filter_map(|t| u64::try_from(t.at_unix_us).ok())
+                        .find(|at| *at >= injected_us),
+                    None => logged_waking(&side.proc.log_text(), injected_us),
+                };
+                if let Some(at) = at {
+                    o.granted_us = Some(at);
+                    o.new_holder = Some(i);
+                    break;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        harness::wait_until(Duration::from_secs(10), Duration::from_millis(5), || {
+            death.dead_us().is_some()
+        });
+    } else {
+        // The lease must survive the failure and the recovery: 1.5 TTL with the member
+        // down or frozen, then the repair, then 1.5 TTL more (a resumed leader's stale view
+        // of the leases is the dangerous moment). The holder must stay Active, nobody else
+        // leave Standby, its key stay.
+        let half = ttl + ttl / 2;
+        watch_quiet(w, holder, half, &mut o);
+        restore_etcd(w, kind, leader)?;
+        watch_quiet(w, holder, half, &mut o);
+        if !w.wait_etcd_healthy(Duration::from_secs(30)) {
+            return Err(anyhow!("etcd not healthy 30 s after the repair"));
+        }
+    }
+    // A deletion seen up to here counts (the watch's own delay is milliseconds).
+    std::thread::sleep(Duration::from_millis(100));
+    o.engine_dead_us = death.dead_us();
+    o.key_deleted_us = keys.iter().filter_map(|k| k.deleted_us(&key)).min();
+    let mut claims = w.claim_violations();
+    let now = claims.len();
+    o.claim_violations = claims.split_off(w.claims_seen.min(now));
+    w.claims_seen = now;
+    drop(keys);
+    repair(w, kind, holder)?;
+    Ok(judge(
+        round,
+        kind,
+        holder,
+        o,
+        w.cfg.kill_time.as_secs_f64() * 1e3,
+    ))
+}
+
+/// Undo the failure: etcd member back, node healed, lockd running, the fenced side (if it
+/// left) replaced by a shadow (not waited for: the next trial's steady state waits).
+fn repair(w: &mut World, kind: Chaos, holder: usize) -> Result<()> {
+    match kind {
+        Chaos::Partition => w.net.heal(holder)?,
+        Chaos::LockdKill => w.start_lockd(holder)?,
+        Chaos::LockdStop => {
+            if let Some(p) = w.nodes[holder].lockd.as_ref() {
+                p.signal(Signal::SIGCONT);
+            }
+        }
+        // Restored inside the trial's window.
+        Chaos::LeaderKill | Chaos::MemberPause => {}
+        Chaos::EngineKill | Chaos::SupervisorKill => {}
+    }
+    if kind.fails_over() {
+        // The fenced supervisor exits (`--restart never`); one still running 10 s on is torn
+        // down (its trial already says whether it fenced in time).
+        if let Some(s) = w.nodes[holder].side.as_mut() {
+            s.proc.wait_exit(Duration::from_secs(10));
+        }
+        w.start_side(holder, "shadow")?;
+    }
+    Ok(())
+}
+
+/// The etcd member of a no-failover kind back: restarted on its data, or SIGCONT.
+fn restore_etcd(w: &mut World, kind: Chaos, leader: usize) -> Result<()> {
+    match kind {
+        Chaos::LeaderKill => w.etcd[leader].restart()?,
+        Chaos::MemberPause => {
+            w.etcd[leader].resume();
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// For `limit`: the holder must stay Active and every other node out of Waking/Active;
+/// what is seen otherwise goes into `o`.
+fn watch_quiet(w: &World, holder: usize, limit: Duration, o: &mut Observed) {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        let ph = w.nodes[holder].side.as_ref().and_then(|s| s.phase());
+        if ph.is_some_and(|p| p != Phase::Active) {
+            o.holder_left_active = true;
+        }
+        for i in (0..w.nodes.len()).filter(|i| *i != holder) {
+            let moved = w.nodes[i]
+                .side
+                .as_ref()
+                .and_then(|s| s.phase())
+                .is_some_and(|p| matches!(p, Phase::Waking | Phase::Active));
+            if moved && o.granted_us.is_none() {
+                o.granted_us = Some(now_us());
+                o.new_holder = Some(i);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The first `to="waking"` transition at or after `since_us` in a supervisor's log.
+fn logged_waking(log: &str, since_us: u64) -> Option<u64> {
+    log.lines()
+        .filter(|l| l.contains("to=\"waking\""))
+        .filter_map(|l| {
+            let rest = &l[l.find("at_unix_us=")? + "at_unix_us=".len()..];
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().ok()
+        })
+        .find(|at| *at >= since_us)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_logged_waking_transition_is_found_after_the_injection() {
+        let log = "x transition from=\"standby\" to=\"waking\" event=LockGranted at_unix_us=100\n\
+                   y transition from=\"standby\" to=\"waking\" event=LockGranted at_unix_us=250\n";
+        assert_eq!(super::logged_waking(log, 200), Some(250));
+        assert_eq!(super::logged_waking(log, 300), None);
+    }
+}
