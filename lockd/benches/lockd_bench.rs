@@ -10,6 +10,9 @@
 //! 1. handoff latency: the holder's process group is SIGKILLed → the waiter's child is running
 //!    (its first action is to print CLOCK_REALTIME in ns via `date +%s%N`), for `lockd hold`
 //!    and for util-linux `flock(1)` over the same number of interleaved rounds; median, p99, ratio.
+//!    `--anchor-lockd PATH` adds, interleaved in the same rounds, an earlier build of lockd (its
+//!    `serve` and its `hold`), and its one-resource throughput: "no worse than before" measured
+//!    side by side in one run, not across runs whose spread is larger than the difference.
 //! 2. grant/release throughput with N contending clients on one resource (and, for reference,
 //!    spread over 8 resources, with one blocking thread per client, and against a second lockd
 //!    started with `--busy-poll 0`): each client pipelines `release`+`acquire` as soon as it is
@@ -128,7 +131,11 @@ fn flock_blocked(pid: u32) -> bool {
 }
 
 enum Tool<'a> {
-    Lockd(&'a Path),
+    /// `lockd hold` of binary `bin` against the lockd on `sock`.
+    Lockd {
+        sock: &'a Path,
+        bin: &'a str,
+    },
     Flock(&'a Path),
 }
 
@@ -138,9 +145,9 @@ fn round(tool: &Tool<'_>) -> f64 {
         c.args(["sh", "-c", "echo ready; exec sleep 3600"]);
     };
     let (mut holder, mut waiter) = match tool {
-        Tool::Lockd(sock) => {
+        Tool::Lockd { sock, bin } => {
             let ep = format!("unix:{}", sock.display());
-            let mut h = Command::new(LOCKD);
+            let mut h = Command::new(bin);
             h.args([
                 "hold",
                 "--connect",
@@ -155,7 +162,7 @@ fn round(tool: &Tool<'_>) -> f64 {
             let mut holder = spawn_group(h.stdout(Stdio::piped()));
             let mut hr = BufReader::new(holder.stdout.take().unwrap());
             read_line_bounded(&mut hr, Duration::from_secs(10));
-            let mut w = Command::new(LOCKD);
+            let mut w = Command::new(bin);
             w.args([
                 "hold",
                 "--connect",
@@ -1152,16 +1159,51 @@ fn main() {
     let sock = lockd.socket().to_path_buf();
     let lockd_pid = lockd.pid().expect("lockd runs") as u32;
 
-    let (mut l_us, mut f_us) = (Vec::new(), Vec::new());
+    // `--anchor-lockd PATH`: the same rounds, interleaved, with an earlier lockd build
+    // (its own `serve` and `hold`), so that "no worse than before" is measured in one run.
+    let anchor_bin = arg_str("--anchor-lockd");
+    let anchor = anchor_bin.as_deref().map(|bin| {
+        let d = dir.path().join("anchor");
+        std::fs::create_dir(&d).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        Lockd::start(
+            LockdSpec::new(&d)
+                .state(d.join("state.json"))
+                .metrics(format!("127.0.0.1:{port}"))
+                .args(["--rate-limit", "1000000"])
+                .log_filter("warn")
+                .bin(bin),
+        )
+    });
+    let anchor_sock = anchor.as_ref().map(|a| a.socket().to_path_buf());
+    let (mut l_us, mut f_us, mut a_us) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..rounds {
-        l_us.push(round(&Tool::Lockd(&sock)));
-        f_us.push(round(&Tool::Flock(&flock_file)));
+        // Rotate the order, so that no tool always runs right after the same other one.
+        for k in 0..3 {
+            match (i + k) % 3 {
+                0 => l_us.push(round(&Tool::Lockd {
+                    sock: &sock,
+                    bin: LOCKD,
+                })),
+                1 => f_us.push(round(&Tool::Flock(&flock_file))),
+                _ => {
+                    if let (Some(s), Some(b)) = (&anchor_sock, &anchor_bin) {
+                        a_us.push(round(&Tool::Lockd { sock: s, bin: b }));
+                    }
+                }
+            }
+        }
         if (i + 1) % 50 == 0 {
             eprintln!("  {} rounds done", i + 1);
         }
     }
     l_us.sort_by(f64::total_cmp);
     f_us.sort_by(f64::total_cmp);
+    a_us.sort_by(f64::total_cmp);
     let (lm, lp) = (pct(&l_us, 50.0), pct(&l_us, 99.0));
     let (fm, fp) = (pct(&f_us, 50.0), pct(&f_us, 99.0));
     println!("\nhandoff: holder's process group SIGKILLed -> waiter's child running ({rounds} rounds each; percentiles: nearest rank)");
@@ -1185,6 +1227,18 @@ fn main() {
         fp,
         f_us[f_us.len() - 1]
     );
+    let anchor_fig = (!a_us.is_empty()).then(|| (pct(&a_us, 50.0), pct(&a_us, 99.0)));
+    if let Some((am, ap)) = anchor_fig {
+        println!(
+            "  {:<12} {:>10.0} {:>10.0} {:>10.0} {:>10.0}   (--anchor-lockd {})",
+            "anchor hold",
+            a_us[0],
+            am,
+            ap,
+            a_us[a_us.len() - 1],
+            anchor_bin.as_deref().unwrap_or("")
+        );
+    }
     let (hn, hmean, pmean) = server_handoff(metrics);
     println!(
         "  inside lockd (holder's EOF -> grant written, state fsynced): mean {:.0} us over {hn} handoffs (state write: mean {:.0} us)",
@@ -1196,6 +1250,13 @@ fn main() {
         "  median ratio lockd/flock = {ratio:.2} (target <= 1.5: {})",
         if ratio <= 1.5 { "MET" } else { "MISSED" }
     );
+    let anchor_ratio = anchor_fig.map(|(am, _)| am / fm);
+    if let Some(ar) = anchor_ratio {
+        println!(
+            "  median ratio anchor/flock = {ar:.2} (this build no worse: {})",
+            if ratio <= ar { "MET" } else { "MISSED" }
+        );
+    }
     println!(
         "  lockd p99 = {:.2} ms (target < 5 ms: {})",
         lp / 1000.0,
@@ -1216,6 +1277,9 @@ fn main() {
     let (n8, tp8) = rt.block_on(throughput(&sock, clients, 8, secs));
     let cpu8 = cpu_secs(lockd_pid);
     let (nt, tpt) = throughput_threads(&sock, clients, 1, secs);
+    let anchor_tp = anchor_sock
+        .as_ref()
+        .map(|s| rt.block_on(throughput(s, clients, 1, secs)));
 
     // The same one-resource run against a second lockd with busy-polling off.
     let off_dir = dir.path().join("busy-poll-off");
@@ -1257,6 +1321,12 @@ fn main() {
     println!(
         "    durable state writes: {writes_per_cycle:.2} per cycle, {write_us:.1} us each (mean)"
     );
+    if let Some((na, tpa)) = anchor_tp {
+        println!(
+            "  1 resource, the --anchor-lockd build: {tpa:>9.0} cycles/s ({na} cycles) (this build no worse: {})",
+            if tp1 >= tpa { "MET" } else { "MISSED" }
+        );
+    }
     println!("  8 resources: {tp8:>9.0} cycles/s ({n8} cycles)");
     println!("  1 resource, one blocking thread per client: {tpt:>9.0} cycles/s ({nt} cycles)");
     println!("  1 resource, lockd --busy-poll 0: {tpo:>9.0} cycles/s ({no} cycles)");
@@ -1301,8 +1371,9 @@ fn main() {
     );
     let all = serde_json::json!({
             "rounds": rounds,
-            "handoff_us": {"percentiles": "nearest rank", "lockd": {"median": lm, "p99": lp}, "flock": {"median": fm, "p99": fp}, "median_ratio": ratio},
-            "throughput_cycles_per_s": {"clients": clients, "one_resource": tp1, "eight_resources": tp8, "one_resource_threads": tpt, "one_resource_busy_poll_off": tpo},
+            "handoff_us": {"percentiles": "nearest rank", "lockd": {"median": lm, "p99": lp}, "flock": {"median": fm, "p99": fp}, "median_ratio": ratio,
+                "anchor": anchor_fig.map(|(m, p)| serde_json::json!({"lockd": anchor_bin, "median": m, "p99": p, "median_ratio": anchor_ratio}))},
+            "throughput_cycles_per_s": {"clients": clients, "one_resource": tp1, "one_resource_anchor": anchor_tp.map(|t| t.1), "eight_resources": tp8, "one_resource_threads": tpt, "one_resource_busy_poll_off": tpo},
             "bare_round_trips_per_s": bare,
             "lockd_cpu_us_per_cycle": {"one_resource": c1, "eight_resources": c8, "one_resource_busy_poll_off": co},
             "scale": sc,
@@ -1312,4 +1383,8 @@ fn main() {
     write_json(&all);
     lockd.signal(Signal::SIGTERM);
     let _ = lockd.wait_exit(Duration::from_secs(10));
+    if let Some(mut a) = anchor {
+        a.signal(Signal::SIGTERM);
+        let _ = a.wait_exit(Duration::from_secs(10));
+    }
 }

@@ -898,8 +898,18 @@ fn resolve_in_path(name: &str) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// How long after CMD has started `hold` drops its start-up code's mappings.
-const SLIM_AFTER: Duration = Duration::from_millis(10);
+/// CMD runs and `hold` only waits: drop the page mappings of the code it ran so far
+/// (lockd::text_pages), so that if it is killed while holding, its connection closes (and the
+/// next waiter is granted) without first unmapping ~1,100 pages of text. Not at once after
+/// the spawn: on a hand-over that work would compete for the CPU with CMD's start; not while
+/// queued: the pages of the grant's path would then be faulted back in on the hand-over.
+const SLIM_AFTER: Duration = Duration::from_millis(3);
+
+fn slim() {
+    if let Err(e) = lockd::text_pages::unmap_own_text() {
+        tracing::debug!(error = %e, "could not drop the text mappings");
+    }
+}
 
 async fn hold(a: HoldArgs) -> ExitCode {
     match hold_inner(a).await {
@@ -998,20 +1008,15 @@ async fn hold_inner(a: HoldArgs) -> std::result::Result<u8, Fail> {
         }
     };
     let mut events_open = true;
-    // From here on `hold` only waits: shortly after CMD has started (not while it starts: that
-    // work would compete with CMD for the CPU), drop the mappings of the code start-up ran, so
-    // that if this process is killed its connection closes, and the next waiter is granted,
-    // without first unmapping ~1,100 pages of text (lockd::text_pages).
-    let slim = tokio::time::sleep(SLIM_AFTER);
-    tokio::pin!(slim);
+    // From here on `hold` only waits: see `slim`.
+    let slim_timer = tokio::time::sleep(SLIM_AFTER);
+    tokio::pin!(slim_timer);
     let mut slimmed = false;
     loop {
         tokio::select! {
-            _ = &mut slim, if !slimmed => {
+            _ = &mut slim_timer, if !slimmed => {
                 slimmed = true;
-                if let Err(e) = lockd::text_pages::unmap_own_text() {
-                    tracing::debug!(error = %e, "could not drop the text mappings");
-                }
+                slim();
             }
             st = child.wait() => {
                 let st = st.map_err(|e| Fail(EXIT_ERROR, anyhow!("waiting for {}: {e}", a.cmd[0])))?;
