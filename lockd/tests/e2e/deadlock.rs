@@ -270,3 +270,50 @@ fn a_long_chain_through_shared_holders_is_no_cycle_until_it_closes() {
     assert_eq!(st["counters"]["deadlocks"], 1, "{st}");
     drop(others);
 }
+
+/// A cycle through a waiting shared gang's fence, with real processes: W writes `s`; the
+/// shared gang of G over {r, s} waits for it and fences `r`; W then asks to write `r` and
+/// is held back by the gang, which waits for W: found (the fence named in `resources`),
+/// broken by revoking W's write of `s` (the only held lease of the cycle); once W goes, the
+/// gang is granted.
+#[test]
+fn a_cycle_through_a_shared_gangs_fence_is_found_and_broken() {
+    let _p = shared();
+    let d = tempfile::tempdir().unwrap();
+    let l = Lockd2::start(d.path(), &["--break-deadlocks"]);
+    let mut watch = l.raw();
+    watch.rpc(serde_json::json!({"op":"watch"}), "watching");
+    let (mut w, mut g) = (l.raw(), l.raw());
+    w.rpc(shared_acq("s", "w", "exclusive"), "granted");
+    g.rpc(
+        serde_json::json!({"op":"acquire","resource":"tp","holder":"g","gang":["r","s"],
+                           "mode":"shared"}),
+        "queued",
+    );
+    w.rpc(shared_acq("r", "w", "exclusive"), "queued");
+    deadlock_notices(&mut watch, 1);
+    let st = watch.status(false);
+    let cycles = st["deadlocks"].as_array().expect("the cycle in status");
+    assert_eq!(cycles.len(), 1, "{st}");
+    let names: Vec<&str> = cycles[0]["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r.as_str())
+        .collect();
+    assert!(
+        names.contains(&"r (reserved for a waiting shared gang)") && names.contains(&"s"),
+        "{st}"
+    );
+    let rv = w.until("revoked", Duration::from_secs(5));
+    assert_eq!(
+        (rv["resource"].as_str(), rv["reason"].as_str()),
+        (Some("s"), Some("deadlock")),
+        "{rv}"
+    );
+    drop(w);
+    g.until("gang_granted", Duration::from_secs(5));
+    wait_for(Duration::from_secs(5), "no deadlock left", || {
+        watch.status(false)["deadlocks"].is_null().then_some(())
+    });
+}
