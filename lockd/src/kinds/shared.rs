@@ -22,6 +22,13 @@
 //!   checks exactly this: whenever a request is granted, every request that arrived before it
 //!   and still waits is parked, and a resource never has an unparked request waiting with
 //!   nothing blocking it.
+//! * **Gang fence.** The core may set a *fence* on a resource ([`SharedTable::set_fence`]):
+//!   the lease id of a waiting shared gang's member. While it is set, no exclusive request
+//!   with a larger id (one that arrived later) is granted; the gang's member is let in
+//!   ahead of them with [`SharedTable::admit_gang_reader`] once no writer holds the resource
+//!   and none that arrived before it waits ([`SharedTable::admits_gang_reader`]). So a
+//!   writer is overtaken only by gangs that arrived before it, and a gang only by writers
+//!   that arrived before it.
 //! * **Versions.** Each resource has a `version` (0 initially). Only [`SharedTable::commit`]
 //!   by the exclusive holder changes it, by +1, and returns the new value; a holder may
 //!   commit several times. An exclusive lease that ends without a commit (released, expired,
