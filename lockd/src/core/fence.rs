@@ -35,13 +35,17 @@ impl Core {
             .and_then(|q| q.first().copied());
         #[cfg(test)]
         let fence = fence.filter(|_| !self.planted.shared_gang_unfenced);
+        let old = self.shared.fence(r);
+        if old == fence {
+            return;
+        }
         // The graph looks again at who the fence holds back (the writers queued on `r`)
-        // and at the gang members it passes between.
+        // and at the gang members it passes between: O(queue), once per change of fence.
         let (queued, _) = self.shared.waiters(r);
         self.graph.shared_touched.extend(queued);
-        if let Some(q) = self.shared_gang_waits.get(r) {
-            self.graph.shared_touched.extend(q.iter().copied());
-        }
+        self.graph
+            .shared_touched
+            .extend(old.into_iter().chain(fence));
         for g in self.shared.set_fence(r, fence) {
             self.shared_granted(now, g);
         }

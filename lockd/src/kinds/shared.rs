@@ -524,6 +524,11 @@ impl SharedTable {
         self.pump(resource)
     }
 
+    /// The fence set on `resource` ([`SharedTable::set_fence`]), if any.
+    pub fn fence(&self, resource: &str) -> Option<LeaseId> {
+        self.resources.get(resource).and_then(|r| r.fence)
+    }
+
     /// Whether a gang reader with id `id` (a member that arrived as `id`) could be let in on
     /// `resource` now: no exclusive holder, and no exclusive request that arrived before it
     /// waits in the queue (writer priority, by arrival).
