@@ -39,6 +39,12 @@
 //!   TTLs and gang timeouts are all shorter than the drain, so a waiter that is still waiting
 //!   is a lost wakeup or a cycle, not a slow holder. Checked on every state the search
 //!   reaches, so it covers every interleaving up to the depth followed by the fair suffix.
+//! * *no writer overtakes a waiting shared gang* (with the TTL and shared gangs): a writer
+//!   granted a member of the shared gang asked after the gang was queued (a higher lease
+//!   id) only if the gang no longer waits — the fence of `lockd/src/core/fence.rs`. With
+//!   the fence planted away in the core, the search finds the overtaking at depth 8 (the
+//!   CI depth, 6, reaches a writer queued behind the waiting gang: `sometimes` property
+//!   *a writer waits behind a waiting shared gang*);
 //! * a few `sometimes` properties (a second and third epoch, a grant after a restart, a
 //!   reclaim, a gang that waits and one that is granted, two leases at once) that the tests
 //!   require to be reached, so that the depth is known to cover the interesting states.
@@ -306,6 +312,12 @@ pub struct CoreState {
     pub restarts: u8,
     /// First grant sent before it was durable (the event's description).
     pub early_grant: Option<String>,
+    /// First writer granted a member of the shared gang while that gang, queued before the
+    /// writer asked (a lower lease id), still waited (gang fairness: the fence).
+    pub overtaken: Option<String>,
+    /// Writers granted while the shared gang waited, having asked before it (the fairness
+    /// check is not vacuous: a gang does wait with writers around it).
+    pub writers_beside_waiting_gang: u32,
     /// First grant whose epoch was not above every earlier one of its resource.
     pub epoch_regress: Option<String>,
     /// Grants seen (a sanity figure: the checks must not be vacuous).
@@ -327,6 +339,7 @@ impl fmt::Debug for CoreState {
             .field("max_epoch", &self.max_epoch)
             .field("early_grant", &self.early_grant)
             .field("epoch_regress", &self.epoch_regress)
+            .field("overtaken", &self.overtaken)
             .finish()
     }
 }
@@ -424,6 +437,8 @@ impl CoreModel {
             restarts: 0,
             early_grant: None,
             epoch_regress: None,
+            overtaken: None,
+            writers_beside_waiting_gang: 0,
             grants: 0,
             reclaims: 0,
             grants_after_restart: 0,
@@ -502,6 +517,29 @@ impl CoreModel {
     }
 
     /// An event reaches session `session` (ignored when that connection is gone).
+    /// A writer granted `resource` (lease `id`): no shared gang over it that was queued
+    /// before the writer asked may still wait (the gang's member on `resource` has the gang
+    /// id plus its index; lease ids are handed out in arrival order).
+    fn check_fence(s: &mut CoreState, resource: &str, id: Option<u64>) {
+        let (Some(id), Some(i)) = (id, SHARED_GANG.iter().position(|m| *m == resource)) else {
+            return;
+        };
+        for (c, cv) in s.clients.iter().enumerate() {
+            if let Some((_, Some(gid))) = cv.waiting.get("gs") {
+                if id > gid + i as u64 {
+                    if s.overtaken.is_none() {
+                        s.overtaken = Some(format!(
+                            "writer {id} granted {resource} while client {c}'s shared gang \
+                             {gid}, queued before it, waits"
+                        ));
+                    }
+                } else {
+                    s.writers_beside_waiting_gang += 1;
+                }
+            }
+        }
+    }
+
     fn deliver(&self, s: &mut CoreState, session: u64, ev: Event) {
         let c = usize::try_from(session / 1000).unwrap_or(usize::MAX);
         let Some(cv) = s.clients.get(c) else { return };
@@ -518,6 +556,9 @@ impl CoreModel {
                 ..
             } => {
                 Self::check_grant(s, &resource, epoch, lease.lease_id, !reclaimed);
+                if lease.mode == Some(Mode::Exclusive) && !reclaimed {
+                    Self::check_fence(s, &resource, lease.lease_id);
+                }
                 if reclaimed {
                     s.reclaims += 1;
                 }
@@ -658,6 +699,10 @@ impl CoreModel {
             s.epoch_regress,
             s.restarts,
         );
+        if let Some(o) = &s.overtaken {
+            s.fp.push('|');
+            s.fp.push_str(o);
+        }
     }
 
     fn request(&self, s: &mut CoreState, c: u8, key: Option<&str>, req: Request) {
@@ -1276,6 +1321,28 @@ impl Model for CoreModel {
                     >= 2
             }),
         ];
+        if self.cfg.kind_gangs {
+            p.push(Property::always(
+                "no writer overtakes a waiting shared gang",
+                |_: &Self, s: &CoreState| s.overtaken.is_none(),
+            ));
+            p.push(Property::sometimes(
+                "a writer waits behind a waiting shared gang",
+                |_: &Self, s: &CoreState| {
+                    let gangs: Vec<u64> = s
+                        .clients
+                        .iter()
+                        .filter_map(|c| c.waiting.get("gs").and_then(|w| w.1))
+                        .collect();
+                    s.clients.iter().any(|c| {
+                        c.waiting
+                            .get(SHARED_RES)
+                            .and_then(|w| w.1)
+                            .is_some_and(|id| gangs.iter().any(|g| id > *g))
+                    })
+                },
+            ));
+        }
         if self.cfg.liveness {
             p.push(Property::always(
                 "every waiter is granted or ends under a fair drain",

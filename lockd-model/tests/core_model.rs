@@ -5,7 +5,7 @@ use lockd_model::core_model::{ci_configs, Action, CoreConfig, CoreModel, CoreSta
 use lockd_model::{check_bfs, RunReport};
 
 /// The `always` properties: none may have a discovery (a counterexample).
-const SAFETY: [&str; 7] = [
+const SAFETY: [&str; 8] = [
     "never two exclusive holders",
     "no reader beside a writer",
     "no quantity above capacity",
@@ -13,6 +13,7 @@ const SAFETY: [&str; 7] = [
     "no grant visible before it is durable",
     "no gang held in part",
     "every waiter is granted or ends under a fair drain",
+    "no writer overtakes a waiting shared gang",
 ];
 
 fn run_config(name: &str, expect_examples: &[&str], min_unique: usize) {
@@ -125,7 +126,11 @@ fn quantity_with_crash_holds_every_property() {
 fn ttl_and_shared_gangs_beside_a_writer_hold_every_property() {
     run_config(
         "ttl gang+shared gang+writer+crash",
-        &["a TTL gang is granted", "a shared gang is granted"],
+        &[
+            "a TTL gang is granted",
+            "a shared gang is granted",
+            "a writer waits behind a waiting shared gang",
+        ],
         5_000,
     );
 }

@@ -10,12 +10,24 @@
 //!    them with wait semantics (connect, reserve on each in the global order, `start` all,
 //!    release by closing), cycle latency and cycles/s.
 //!
+//! 3. **Fairness of a waiting shared gang**: two writers per member hand each of k members
+//!    (2, 4, 8) to each other in a stream (hold `--hold-ms`, release, ask again at once), so
+//!    that no member is ever free; a shared gang over the k members is acquired
+//!    `--samples` times, and its wait from `acquire` to `gang_granted` is reported (median,
+//!    p99, max) against the bound of the rule (PROTOCOL.md, "Gang fairness"): the writers
+//!    ahead of it — one holding and one queued per member — end, 2 × hold. Without the
+//!    rule such a gang is never granted (the e2e test
+//!    `a_shared_gang_behind_a_stream_of_writers_is_granted_within_the_bound` shows it).
+//!
 //! State files on /dev/shm (tmpfs) when it exists, like `lockd_bench`. One command:
 //!
-//!     cargo bench -p lockd --bench gang_bench -- [--seconds 3] [--clients 8]
+//!     cargo bench -p lockd --bench gang_bench -- [--seconds 3] [--clients 8] \
+//!         [--hold-ms 5] [--samples 30] [--only-fairness]
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use harness::lockd::{Lockd, LockdSpec};
@@ -84,6 +96,17 @@ impl Client {
         assert!(n > 0, "lockd closed the connection");
         s
     }
+    /// Lines until one containing `"event":"<event>"`; panics on an error line.
+    fn until(&mut self, event: &str) -> String {
+        let want = format!("\"{event}\"");
+        loop {
+            let l = self.line();
+            if l.contains(&want) {
+                return l;
+            }
+            assert!(!l.contains("\"error\""), "unexpected: {l}");
+        }
+    }
     /// Acquire the gang (of `kind`) and release it; panics on anything unexpected.
     fn cycle(&mut self, members: &[String], kind: Kind) {
         let mut g =
@@ -144,10 +167,96 @@ fn summary(mut lat: Vec<Duration>, secs: f64) -> (f64, f64, f64) {
     )
 }
 
+/// One writer of the fairness stream: asks for `m` exclusively, holds it `hold`,
+/// releases, asks again at once, until `stop`.
+fn writer(sock: PathBuf, m: String, hold: Duration, stop: Arc<AtomicBool>) {
+    let mut c = Client::connect(&sock);
+    let acquire = serde_json::json!({"op":"acquire","resource":m,"holder":"w","mode":"exclusive"})
+        .to_string();
+    let release = serde_json::json!({"op":"release","resource":m}).to_string();
+    loop {
+        c.send(&acquire);
+        c.until("granted");
+        std::thread::sleep(hold);
+        c.send(&release);
+        c.until("released");
+        if stop.load(Ordering::Relaxed) {
+            return;
+        }
+    }
+}
+
+/// Section 3: the wait of a shared gang behind a stream of writers on its members.
+fn fairness(dir: &Path, hold: Duration, samples: usize) {
+    let l = start(&dir.join("fair"));
+    println!(
+        "shared gang behind a stream of writers (2 per member, each holding {} ms): wait to \
+         gang_granted",
+        hold.as_millis()
+    );
+    println!(
+        "  {:<34} {:>11} {:>11} {:>11} {:>11}",
+        "", "median ms", "p99 ms", "max ms", "bound ms"
+    );
+    for k in [2usize, 4, 8] {
+        let members: Vec<String> = (0..k).map(|i| format!("fair-{k}-{i}")).collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let writers: Vec<_> = members
+            .iter()
+            .flat_map(|m| [m.clone(), m.clone()])
+            .map(|m| {
+                let (sock, stop) = (l.socket().to_path_buf(), stop.clone());
+                std::thread::spawn(move || writer(sock, m, hold, stop))
+            })
+            .collect();
+        std::thread::sleep(hold * 10);
+        let mut c = Client::connect(l.socket());
+        let gang = serde_json::json!({"op":"acquire","resource":"g","holder":"bench",
+            "gang":members,"mode":"shared","timeout_ms":60_000})
+        .to_string();
+        let release = format!(r#"{{"op":"release","resource":"{}"}}"#, members[0]);
+        let mut waits = Vec::new();
+        for _ in 0..samples {
+            let t = Instant::now();
+            c.send(&gang);
+            c.until("gang_granted");
+            waits.push(t.elapsed());
+            c.send(&release);
+            for _ in 0..k {
+                c.until("released");
+            }
+            // Let the stream take the members again before the next sample.
+            std::thread::sleep(hold * 3);
+        }
+        stop.store(true, Ordering::Relaxed);
+        for w in writers {
+            w.join().expect("writer");
+        }
+        let max = waits.iter().max().copied().unwrap_or_default();
+        let med = percentile_of(&mut waits, 50.0).unwrap_or_default();
+        let p99 = percentile_of(&mut waits, 99.0).unwrap_or_default();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        println!(
+            "  {:<34} {:>11.1} {:>11.1} {:>11.1} {:>11.1}",
+            format!("gang of {k}, {samples} samples"),
+            ms(med),
+            ms(p99),
+            ms(max),
+            ms(hold * 2)
+        );
+    }
+}
+
 fn main() {
     let seconds = arg("--seconds", 3);
     let clients = arg("--clients", 8) as usize;
     let dir = base_dir();
+    let hold = Duration::from_millis(arg("--hold-ms", 5));
+    let samples = arg("--samples", 30) as usize;
+    if std::env::args().any(|a| a == "--only-fairness") {
+        fairness(dir.path(), hold, samples);
+        return;
+    }
     let l = start(&dir.path().join("one"));
     println!(
         "gangs on one lockd ({seconds} s each; state on {})",
@@ -257,6 +366,8 @@ fn main() {
             format!("reserve {count} of 3 (+ release)")
         );
     }
+    drop(nodes);
+    fairness(dir.path(), hold, samples);
 }
 
 fn wait_free(l: &Lockd) {

@@ -14,11 +14,18 @@
 //! token), and a new process can [`LeaseClient::resume`] it after this one's crash.
 //! [`LeaseClient::keep_renewed`] renews a lease in the background.
 //!
+//! Gangs of the version-2 kinds (feature `gang`): [`LeaseClient::acquire_gang`] with a
+//! [`GangAcquire`] (TTL or shared, optionally timed, with a wait timeout), a [`Gang`] that
+//! renews, releases ([`LeaseClient::release_gang`]) and resumes
+//! ([`LeaseClient::resume_gang`]) whole by its id, and the events [`LeaseEvent::GangGranted`],
+//! [`LeaseEvent::GangCancelled`] and [`LeaseEvent::MemberLost`].
+//!
 //! Routing rule: an event is unsolicited when it is `lease_ended`, `renewal_refused`,
-//! `renewal_allowed`, `revoked` or `notice`, a `granted` for a lease id this connection was
-//! told was `queued`, a `lease_ended` `unsatisfiable` that drops such a queued request, or an
-//! `error` that closes the connection; every other event answers the oldest request not yet
-//! answered.
+//! `renewal_allowed`, `revoked`, `member_lost` or `notice`, a `granted` for a lease id this
+//! connection was told was `queued`, a `gang_granted` for a gang queued on this connection,
+//! a `cancelled` naming a gang queued on this connection (its timeout), a `lease_ended`
+//! `unsatisfiable` that drops a queued request, or an `error` that closes the connection;
+//! every other event answers the oldest request not yet answered.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
@@ -333,6 +340,223 @@ pub enum Acquired {
     },
 }
 
+/// An all-or-nothing `acquire` of several resources as one gang of the version-2 kinds
+/// (feature `gang`): a TTL gang ([`GangAcquire::ttl`]: exclusive members that outlive the
+/// connection) or a shared gang ([`GangAcquire::shared`]: readers, bound to the connection
+/// unless [`GangAcquire::with_ttl`] is given). Every member is granted in one step or none
+/// is; each member is a lease of its own (id, epoch) and the gang's id is its first
+/// member's lease id. On the wire: `acquire` with `gang`, and `ttl_ms` or `mode: "shared"`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GangAcquire {
+    label: String,
+    holder: String,
+    wait: bool,
+    ext: AcquireExt,
+}
+
+impl GangAcquire {
+    fn new(label: String, holder: String, members: Vec<String>, ext: AcquireExt) -> GangAcquire {
+        GangAcquire {
+            label,
+            holder,
+            wait: true,
+            ext: AcquireExt {
+                gang: Some(members),
+                ..ext
+            },
+        }
+    }
+
+    /// A TTL gang named `label` over `members` (feature `ttl`): each member exclusive, all
+    /// with one deadline, renewed whole with [`LeaseClient::renew`] of the [`Gang`].
+    pub fn ttl<S: Into<String>>(
+        label: impl Into<String>,
+        holder: impl Into<String>,
+        members: impl IntoIterator<Item = S>,
+        ttl: Duration,
+    ) -> GangAcquire {
+        GangAcquire::new(
+            label.into(),
+            holder.into(),
+            members.into_iter().map(Into::into).collect(),
+            AcquireExt {
+                ttl_ms: Some(ms(ttl)),
+                ..AcquireExt::default()
+            },
+        )
+    }
+
+    /// A shared gang named `label` over `members` (feature `shared`): a reader of each,
+    /// bound to this connection (unless [`GangAcquire::with_ttl`]). While it waits it
+    /// reserves its members against writers that arrive after it (PROTOCOL.md, "Gang
+    /// fairness").
+    pub fn shared<S: Into<String>>(
+        label: impl Into<String>,
+        holder: impl Into<String>,
+        members: impl IntoIterator<Item = S>,
+    ) -> GangAcquire {
+        GangAcquire::new(
+            label.into(),
+            holder.into(),
+            members.into_iter().map(Into::into).collect(),
+            AcquireExt {
+                mode: Some(Mode::Shared),
+                ..AcquireExt::default()
+            },
+        )
+    }
+
+    /// Shared gang: a TTL, which makes it outlive the connection (renewed whole).
+    pub fn with_ttl(mut self, ttl: Duration) -> GangAcquire {
+        self.ext.ttl_ms = Some(ms(ttl));
+        self
+    }
+
+    /// Give up waiting after `d` (`timeout_ms`): the gang is then withdrawn whole and
+    /// reported as [`LeaseEvent::GangCancelled`].
+    pub fn timeout(mut self, d: Duration) -> GangAcquire {
+        self.ext.timeout_ms = Some(ms(d));
+        self
+    }
+
+    /// Do not wait: answer [`GangAcquired::Busy`] when some member is taken.
+    pub fn no_wait(mut self) -> GangAcquire {
+        self.wait = false;
+        self
+    }
+
+    /// The kind of its members (`Ttl` or `Shared`).
+    pub fn kind(&self) -> LeaseKind {
+        if self.ext.mode == Some(Mode::Shared) {
+            LeaseKind::Shared
+        } else {
+            LeaseKind::Ttl
+        }
+    }
+
+    fn request(&self) -> Request {
+        Request::Acquire {
+            resource: self.label.clone(),
+            holder: self.holder.clone(),
+            wait: self.wait,
+            ext: self.ext.clone(),
+        }
+    }
+}
+
+/// One member of a granted [`Gang`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GangMemberLease {
+    /// The resource.
+    pub resource: String,
+    /// The member's own lease id.
+    pub lease_id: u64,
+    /// Its fencing epoch (each resource has its own sequence).
+    pub epoch: u64,
+    /// Shared gangs: the resource's version at the grant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<u64>,
+}
+
+/// A granted gang of the version-2 kinds (`gang_granted`). As a [`LeaseRef`] it names the
+/// whole gang (its id and token): [`LeaseClient::renew`] renews every member,
+/// [`LeaseClient::release_gang`] ends every member, [`LeaseClient::resume_gang`] takes up
+/// every member after a crash.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gang {
+    /// The gang's id (its first member's lease id).
+    pub gang_id: u64,
+    /// Its token (every member's).
+    pub token: String,
+    /// Its name (the acquire's `resource`).
+    pub label: String,
+    /// The holder name.
+    pub holder: String,
+    /// `Ttl` or `Shared`.
+    pub kind: LeaseKind,
+    /// Every member, in request order.
+    pub members: Vec<GangMemberLease>,
+    /// Timed gangs: the deadline of every member (ms since the Unix epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at_unix_ms: Option<u64>,
+}
+
+impl Gang {
+    /// The `(gang id, token)` to save for [`LeaseClient::resume_gang`].
+    pub fn saved(&self) -> SavedLease {
+        SavedLease {
+            lease_id: self.gang_id,
+            token: self.token.clone(),
+        }
+    }
+
+    /// The gang of a `gang_granted` event of a version-2 kind (None for any other event,
+    /// or a connection-bound exclusive gang, whose members have no lease ids).
+    pub fn from_event(ev: &Event) -> Option<Gang> {
+        let Event::GangGranted {
+            resource,
+            gang_id,
+            holder,
+            token,
+            members,
+            kind,
+            expires_at_unix_ms,
+        } = ev
+        else {
+            return None;
+        };
+        let members = members
+            .iter()
+            .map(|m| {
+                Some(GangMemberLease {
+                    resource: m.resource.clone(),
+                    lease_id: m.lease_id?,
+                    epoch: m.epoch,
+                    version: m.version,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(Gang {
+            gang_id: *gang_id,
+            token: token.clone(),
+            label: resource.clone(),
+            holder: holder.clone(),
+            kind: (*kind)?,
+            members,
+            expires_at_unix_ms: *expires_at_unix_ms,
+        })
+    }
+}
+
+impl LeaseRef for Gang {
+    fn lease_id(&self) -> u64 {
+        self.gang_id
+    }
+    fn token(&self) -> &str {
+        &self.token
+    }
+}
+
+/// The answer to [`LeaseClient::acquire_gang`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GangAcquired {
+    /// Every member granted at once.
+    Granted(Gang),
+    /// Waiting, whole: the grant comes later as [`LeaseEvent::GangGranted`] (or use
+    /// [`LeaseClient::wait_gang_granted`]); a timeout as [`LeaseEvent::GangCancelled`].
+    Queued {
+        /// The id the gang will have.
+        gang_id: u64,
+        /// The longest line among its members' (1 = next).
+        position: usize,
+    },
+    /// `no_wait` and a member is taken.
+    Busy {
+        /// A holder of a member that is taken.
+        holder: Option<String>,
+    },
+}
+
 /// An offer of a quantity pool, for [`LeaseClient::offer`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Offer {
@@ -432,6 +656,28 @@ pub enum LeaseEvent {
         /// Detail.
         message: String,
     },
+    /// A queued gang was granted, every member at once.
+    GangGranted(Gang),
+    /// One member of a granted gang was taken away (revoked by an admin: a failed device,
+    /// a drained node): fence it and reserve a replacement. A gang of the version-2 kinds
+    /// ends whole right after (its members' [`LeaseEvent::Ended`] follow).
+    MemberLost {
+        /// The gang's id.
+        gang_id: u64,
+        /// The member taken away.
+        resource: String,
+        /// Its epoch.
+        epoch: u64,
+        /// Why: `revoked:<by>:<why>`, ...
+        reason: String,
+    },
+    /// A queued gang's [`GangAcquire::timeout`] passed: withdrawn whole, nothing held.
+    GangCancelled {
+        /// The gang's id.
+        gang_id: u64,
+        /// Its name.
+        label: String,
+    },
     /// The connection closed; no more events follow.
     Closed {
         /// Why (lockd's error, or end of file).
@@ -451,6 +697,9 @@ struct Cmd {
 enum Reply {
     /// One event answers it.
     One(oneshot::Sender<Result<Event, LeaseError>>),
+    /// One event answers it, a gang's `acquire` (a `queued` answer makes the gang's later
+    /// `gang_granted` or timeout `cancelled` unsolicited).
+    Gang(oneshot::Sender<Result<Event, LeaseError>>),
     /// It was sent followed by a `ping`: every answer up to the `pong` is its (for requests
     /// answered with several events, like `release` by resource).
     UntilPong(Vec<Event>, oneshot::Sender<Result<Vec<Event>, LeaseError>>),
@@ -459,7 +708,7 @@ enum Reply {
 impl Reply {
     fn fail(self, e: LeaseError) {
         match self {
-            Reply::One(tx) => {
+            Reply::One(tx) | Reply::Gang(tx) => {
                 let _ = tx.send(Err(e));
             }
             Reply::UntilPong(_, tx) => {
@@ -478,11 +727,20 @@ struct Link {
 
 impl Link {
     async fn call(&self, req: &Request) -> Result<Event, LeaseError> {
+        self.call_as(req, Reply::One).await
+    }
+
+    /// [`Link::call`] with the kind of reply it is (`Reply::One` or `Reply::Gang`).
+    async fn call_as(
+        &self,
+        req: &Request,
+        kind: fn(oneshot::Sender<Result<Event, LeaseError>>) -> Reply,
+    ) -> Result<Event, LeaseError> {
         let (tx, rx) = oneshot::channel();
         self.cmds
             .send(Cmd {
                 line: proto::encode_request(req),
-                reply: Reply::One(tx),
+                reply: kind(tx),
             })
             .map_err(|_| LeaseError::Closed("client stopped".into()))?;
         let ev = rx
@@ -598,6 +856,9 @@ struct Conn {
     w: Writer,
     pending: VecDeque<Reply>,
     queued: BTreeSet<u64>,
+    /// Gangs queued on this connection: gang id -> name (a `cancelled` naming it is the
+    /// gang's timeout).
+    queued_gangs: BTreeMap<u64, String>,
     events: mpsc::UnboundedSender<LeaseEvent>,
 }
 
@@ -700,6 +961,45 @@ impl Conn {
                 reason,
             }),
             ev @ Event::Notice(_) => self.emit(LeaseEvent::Other(ev)),
+            Event::MemberLost {
+                gang_id,
+                resource,
+                epoch,
+                reason,
+            } => self.emit(LeaseEvent::MemberLost {
+                gang_id,
+                resource,
+                epoch,
+                reason,
+            }),
+            ev @ Event::GangGranted { .. }
+                if matches!(&ev, Event::GangGranted { gang_id, .. }
+                    if self.queued_gangs.contains_key(gang_id)) =>
+            {
+                if let Event::GangGranted { gang_id, .. } = &ev {
+                    self.queued_gangs.remove(gang_id);
+                    self.queued.remove(gang_id);
+                }
+                match Gang::from_event(&ev) {
+                    Some(g) => self.emit(LeaseEvent::GangGranted(g)),
+                    None => self.emit(LeaseEvent::Other(ev)),
+                }
+            }
+            Event::Cancelled { resource } if self.queued_gangs.values().any(|l| *l == resource) => {
+                // The timeout of a gang queued here (the oldest of that name first).
+                let gid = self
+                    .queued_gangs
+                    .iter()
+                    .find(|(_, l)| **l == resource)
+                    .map(|(id, _)| *id)
+                    .unwrap_or_default();
+                self.queued_gangs.remove(&gid);
+                self.queued.remove(&gid);
+                self.emit(LeaseEvent::GangCancelled {
+                    gang_id: gid,
+                    label: resource,
+                });
+            }
             ev @ Event::Granted { .. }
                 if matches!(&ev, Event::Granted { lease, reclaimed: false, .. }
                     if lease.lease_id.is_some_and(|id| self.queued.contains(&id))) =>
@@ -731,6 +1031,17 @@ impl Conn {
                 }
                 match self.pending.pop_front() {
                     Some(Reply::One(tx)) => {
+                        let _ = tx.send(Ok(ev));
+                    }
+                    Some(Reply::Gang(tx)) => {
+                        if let Event::Queued {
+                            lease_id: Some(id),
+                            resource,
+                            ..
+                        } = &ev
+                        {
+                            self.queued_gangs.insert(*id, resource.clone());
+                        }
                         let _ = tx.send(Ok(ev));
                     }
                     Some(Reply::UntilPong(all, tx)) if matches!(ev, Event::Pong { .. }) => {
@@ -802,6 +1113,7 @@ impl LeaseClient {
             w,
             pending: VecDeque::new(),
             queued: BTreeSet::new(),
+            queued_gangs: BTreeMap::new(),
             events: etx.clone(),
         };
         let task = tokio::spawn(conn.run(crx, lrx, reader));
@@ -898,6 +1210,121 @@ impl LeaseClient {
                 holder: holder.clone(),
             }),
             _ => Err(unexpected("granted, queued or busy", &ev)),
+        }
+    }
+
+    /// `acquire` of a gang of the version-2 kinds ([`GangAcquire`]): granted whole, queued
+    /// whole, or busy. Refused with [`LeaseError::Unsupported`] (nothing sent) when `hello`
+    /// did not list `gang` and the members' kind.
+    pub async fn acquire_gang(&self, a: &GangAcquire) -> Result<GangAcquired, LeaseError> {
+        self.require("gang")?;
+        match a.kind() {
+            LeaseKind::Shared => self.require("shared")?,
+            _ => self.require("ttl")?,
+        }
+        let ev = self.link.call_as(&a.request(), Reply::Gang).await?;
+        match &ev {
+            Event::GangGranted { .. } => Gang::from_event(&ev)
+                .map(GangAcquired::Granted)
+                .ok_or_else(|| unexpected("a version-2 gang grant", &ev)),
+            Event::Queued {
+                lease_id: Some(id),
+                position,
+                ..
+            } => Ok(GangAcquired::Queued {
+                gang_id: *id,
+                position: *position,
+            }),
+            Event::Busy { holder, .. } => Ok(GangAcquired::Busy {
+                holder: holder.clone(),
+            }),
+            _ => Err(unexpected("gang_granted, queued or busy", &ev)),
+        }
+    }
+
+    /// `release` of a whole gang by its id and token (any connection): one [`Ended`] per
+    /// member (lockd answers each).
+    pub async fn release_gang(&self, g: &impl LeaseRef) -> Result<Vec<Ended>, LeaseError> {
+        self.require("gang")?;
+        let evs = self
+            .link
+            .call_all(&Request::Release {
+                resource: None,
+                lease_id: Some(g.lease_id()),
+                token: Some(g.token().to_string()),
+            })
+            .await?;
+        evs.into_iter()
+            .map(|ev| match ev {
+                Event::Released { epoch, .. } => Ok(Ended::Released { epoch }),
+                Event::Cancelled { .. } => Ok(Ended::Cancelled),
+                Event::Error { code, message, .. } => Err(LeaseError::Refused { code, message }),
+                ev => Err(unexpected("released", &ev)),
+            })
+            .collect()
+    }
+
+    /// `resume` of a whole gang by its id and token (after the process that held it
+    /// crashed, or lockd restarted): every member's lease, taken up on this connection.
+    pub async fn resume_gang(&self, saved: &impl LeaseRef) -> Result<Vec<Lease>, LeaseError> {
+        self.require("gang")?;
+        let evs = self
+            .link
+            .call_all(&Request::Resume {
+                lease_id: saved.lease_id(),
+                token: saved.token().to_string(),
+            })
+            .await?;
+        evs.iter()
+            .map(|ev| match ev {
+                Event::Error { code, message, .. } => Err(LeaseError::Refused {
+                    code: code.clone(),
+                    message: message.clone(),
+                }),
+                ev => Lease::from_event(ev).ok_or_else(|| unexpected("granted", ev)),
+            })
+            .collect()
+    }
+
+    /// Wait for the grant of queued gang `gang_id`; other events meanwhile stay for
+    /// [`LeaseClient::next_event`]. Fails when the gang's timeout passes
+    /// (`cancelled`) or the connection closes. Bound it with a timeout.
+    pub async fn wait_gang_granted(&mut self, gang_id: u64) -> Result<Gang, LeaseError> {
+        let mine = |e: &LeaseEvent| match e {
+            LeaseEvent::GangGranted(g) => g.gang_id == gang_id,
+            LeaseEvent::GangCancelled { gang_id: id, .. } => *id == gang_id,
+            _ => false,
+        };
+        let mut ev = self
+            .stash
+            .iter()
+            .position(mine)
+            .and_then(|i| self.stash.remove(i));
+        loop {
+            let e = match ev.take() {
+                Some(e) => e,
+                None => self
+                    .events
+                    .recv()
+                    .await
+                    .ok_or_else(|| LeaseError::Closed("client stopped".into()))?,
+            };
+            match e {
+                LeaseEvent::GangGranted(g) if g.gang_id == gang_id => return Ok(g),
+                LeaseEvent::GangCancelled { gang_id: id, label } if id == gang_id => {
+                    return Err(LeaseError::Refused {
+                        code: "cancelled".into(),
+                        message: format!("gang {label:?} ({id}) gave up waiting: its timeout"),
+                    })
+                }
+                LeaseEvent::Closed { reason } => {
+                    self.stash.push_back(LeaseEvent::Closed {
+                        reason: reason.clone(),
+                    });
+                    return Err(LeaseError::Closed(reason));
+                }
+                other => self.stash.push_back(other),
+            }
         }
     }
 

@@ -43,11 +43,14 @@
 //! **Quantity leases** are always timed (never bound to their connection: without `ttl_ms`
 //! one gets its offers' maximum lease time, capped by `--max-lease-time`), so the same
 //! holds. A **waiting shared gang** (outside the shared queues: it waits for every member to
-//! admit a reader at once) has an edge `w -> r` for each member `r` that admits no reader
-//! now (a writer holds it or a request waits in its queue): it waits for `r`'s holders,
-//! through the queue. A member that admits readers but has an older waiting gang first in
-//! its gang queue makes the gang wait for that gang, a waiter: not in the graph (as a
-//! version-1 waiter does not wait for the waiters ahead of it here).
+//! let it in as a reader at once) has an edge `w -> r` for each member `r` that would not
+//! let it in now (a writer holds it, or a writer that arrived before the gang waits in its
+//! queue): it waits for `r`'s holders, through the queue. The oldest waiting shared gang
+//! on `r` also *fences* `r` against writers that arrive after it (`fence.rs`): the fence is
+//! a node of its own (`fence_node_name`), held by the gang's session, with an edge from
+//! each writer it holds back — so such a writer waits for the gang while the gang and the
+//! writers ahead of it do not, and a cycle through a fence is found like any other (shown
+//! as `"<r> (reserved for a waiting shared gang)"`).
 //!
 //! **Only edges that can lie on a cycle are kept**: `w -> r` only while `w` also holds
 //! something (on a cycle, every session is waited for, so holds a resource), and `r -> h`
@@ -168,12 +171,28 @@ pub(super) struct GraphSync {
     shared: BTreeMap<String, SharedSynced>,
     /// The role each shared-kind lease has in the graph, with its resource.
     roles: BTreeMap<u64, (String, Role)>,
+    /// The role each shared-kind lease has on a fence node (`fence_node_name`).
+    fence_roles: BTreeMap<u64, (String, Role)>,
     /// The shared-kind resources each session waits for (for the sessions whose count of
     /// held resources flips: their `w -> r` edges come or go).
     shared_waits_of: IdMap<SessionId, Vec<String>>,
     /// Shared-kind leases noted in this step (ids, maybe repeated).
     pub shared_touched: Vec<u64>,
 }
+
+/// What the graph calls the reservation a waiting shared gang holds on `r` against later
+/// writers (a node of its own, so that the writers behind the fence wait for the gang's
+/// session while the gang itself, and the writers ahead of it, do not). The separator is
+/// a control character, which no resource name has; reports show [`FENCE_SHOWN`].
+fn fence_node_name(r: &str) -> String {
+    format!("{r}{FENCE_SEP}")
+}
+
+/// Ends the graph's name of a fence node.
+const FENCE_SEP: char = '\u{1}';
+
+/// How a fence node is shown in `status` and in a `deadlock` notice (after its resource).
+pub(super) const FENCE_SHOWN: &str = " (reserved for a waiting shared gang)";
 
 /// Counts one held resource more (`up`) or less for `s`; true when the count went from or
 /// to zero.
@@ -411,16 +430,25 @@ impl Core {
         }
         for &id in &ids {
             let new = self.shared_role(id);
-            let old = self.graph.roles.get(&id);
-            if old == new.as_ref() {
-                continue;
+            if self.graph.roles.get(&id) != new.as_ref() {
+                if let Some((r, role)) = self.graph.roles.remove(&id) {
+                    self.shared_edit(&r, role, false);
+                }
+                if let Some((r, role)) = new {
+                    self.shared_edit(&r, role, true);
+                    self.graph.roles.insert(id, (r, role));
+                }
             }
-            if let Some((r, role)) = self.graph.roles.remove(&id) {
-                self.shared_edit(&r, role, false);
-            }
-            if let Some((r, role)) = new {
-                self.shared_edit(&r, role, true);
-                self.graph.roles.insert(id, (r, role));
+            // Its role on its resource's fence node (a waiting shared gang's reservation).
+            let new = self.fence_role(id);
+            if self.graph.fence_roles.get(&id) != new.as_ref() {
+                if let Some((r, role)) = self.graph.fence_roles.remove(&id) {
+                    self.shared_edit(&r, role, false);
+                }
+                if let Some((r, role)) = new {
+                    self.shared_edit(&r, role, true);
+                    self.graph.fence_roles.insert(id, (r, role));
+                }
             }
         }
         ids.clear();
@@ -442,9 +470,33 @@ impl Core {
                 .shared_gang_waits
                 .get(r)
                 .is_some_and(|q| q.contains(&id));
-            (gang_waits && !self.shared.admits_reader(r)).then_some(Role::Waits(s))
+            (gang_waits && !self.shared.admits_gang_reader(r, id)).then_some(Role::Waits(s))
         };
         role.map(|x| (r.clone(), x))
+    }
+
+    /// The role shared-kind lease `id` should have on the *fence* node of its resource
+    /// (`fence_node_name`): the oldest waiting shared gang's member there holds it, and
+    /// every exclusive request queued after that member waits for it (`shared_fence`).
+    fn fence_role(&self, id: u64) -> Option<(String, Role)> {
+        let l = self.kl.get(&id).filter(|l| !l.granted)?;
+        let s = l.session.filter(|_| l.reclaim_deadline.is_none())?;
+        let r = &l.resource;
+        let fence = self
+            .shared_gang_waits
+            .get(r)
+            .and_then(|q| q.first().copied())?;
+        #[cfg(test)]
+        if self.planted.shared_gang_unfenced {
+            return None;
+        }
+        let role = if fence == id {
+            Some(Role::Holds(s))
+        } else {
+            let writer = l.mode == Some(crate::proto::Mode::Exclusive);
+            (writer && fence < id && self.shared.is_queued(id)).then_some(Role::Waits(s))
+        };
+        role.map(|x| (fence_node_name(r), x))
     }
 
     /// Adds (or removes) one lease's role on `r` to the graph's counts and edges.
@@ -629,7 +681,10 @@ impl Core {
             if n & RESOURCE_BIT == 0 {
                 sessions.push(n);
             } else if let Some(r) = self.graph.res_of_node.get(&n) {
-                resources.push(r.clone());
+                resources.push(match r.strip_suffix(FENCE_SEP) {
+                    Some(base) => format!("{base}{FENCE_SHOWN}"),
+                    None => r.clone(),
+                });
             }
         }
         (sessions, resources)

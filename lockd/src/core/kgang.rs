@@ -18,11 +18,12 @@
 //! every queue it is in. A TTL resource whose first waiter is a gang member is granted to
 //! nobody else: it stays free, reserved, until every member is free with the gang first in
 //! line (as for a connection-bound gang, `gang.rs`). A shared gang waits outside the shared
-//! table's queues: it is granted when every member admits a new reader at once (no writer
-//! holds it, no request waits in its queue — so writer priority holds: a waiting writer
-//! blocks the gang as it blocks any new reader), checked after every step that may have
-//! changed that. A waiting shared gang keeps its members from other kinds (they are in use
-//! as `shared`), not from writers.
+//! table's queues: it is granted when every member would let it in as a reader at once (no
+//! writer holds it, no writer that arrived before the gang waits for it — writer priority,
+//! by arrival), checked after every step that may have changed that. A waiting shared gang
+//! keeps its members from other kinds (they are in use as `shared`) and, while it is the
+//! oldest waiting gang on a member, from writers that arrive after it (`fence.rs`: how it
+//! cannot starve).
 
 use std::time::{Duration, Instant};
 
@@ -165,6 +166,12 @@ impl Core {
             q.insert(*id);
             position = position.max(q.len());
         }
+        if kind == LeaseKind::Shared {
+            // Its members are reserved against later writers (see `shared_fence`).
+            for m in &members {
+                self.shared_fence(now, m);
+            }
+        }
         if let Some(d) = deadline {
             self.gang_deadlines.insert((d, gid));
         }
@@ -192,10 +199,10 @@ impl Core {
                 self.ttl.holder_of(m).is_none()
                     && self.ttl_waiters.get(m).is_none_or(|q| q.is_empty())
             }
+            // Another waiting shared gang is no obstacle: gangs of readers do not conflict.
             _ => {
                 self.kind_in_use(m).is_none_or(|k| k == LeaseKind::Shared)
                     && self.shared.admits_reader(m)
-                    && self.shared_gang_waits.get(m).is_none_or(|q| q.is_empty())
             }
         }
     }
@@ -269,11 +276,10 @@ impl Core {
                 .iter()
                 .filter_map(|id| self.kl.get(id).map(|l| (*id, l.resource.clone())))
                 .collect();
-            // First in the gang queue of each member, and a reader would be let in.
+            // On each member, no writer holds and no writer that arrived before the gang
+            // waits (later writers are held back by the fence: `shared_fence`).
             let ready = |c: &Core, id: u64, r: &str| {
-                c.kind_in_use(r) == Some(LeaseKind::Shared)
-                    && c.shared.admits_reader(r)
-                    && c.shared_gang_waits.get(r).and_then(|q| q.first()) == Some(&id)
+                c.kind_in_use(r) == Some(LeaseKind::Shared) && c.shared.admits_gang_reader(r, id)
             };
             #[cfg(test)]
             if self.planted.kind_gang_partial {
@@ -308,13 +314,15 @@ impl Core {
         }
     }
 
-    /// Remove waiting shared member `id` from the gang queue of `r`.
-    fn shared_unqueue(&mut self, r: &str, id: u64) {
+    /// Remove waiting shared member `id` from the gang queue of `r` (its reservation goes
+    /// to the next waiting gang there, if any: writers it held back may be granted).
+    fn shared_unqueue(&mut self, now: Now, r: &str, id: u64) {
         if let Some(q) = self.shared_gang_waits.get_mut(r) {
             q.remove(&id);
             if q.is_empty() {
                 self.shared_gang_waits.remove(r);
             }
+            self.shared_fence(now, r);
         }
     }
 
@@ -324,7 +332,6 @@ impl Core {
         let Some(l) = self.kl.get(&id).cloned() else {
             return false;
         };
-        self.shared_unqueue(&l.resource, id);
         let floor = self.epoch(&l.resource);
         self.note_name(&l.resource);
         self.shared.raise_epoch(&l.resource, floor);
@@ -335,12 +342,16 @@ impl Core {
             mode: shared::Mode::Shared,
             min_version: 0,
         };
-        match self.shared.acquire(req) {
-            Ok(shared::Admission::Granted(g)) => {
+        // Let in ahead of the writers its fence held back (they arrived after it), then
+        // out of the gang queue: lifting the fence then grants nobody beside this reader.
+        let granted = self.shared.admit_gang_reader(req);
+        self.shared_unqueue(now, &l.resource, id);
+        match granted {
+            Ok(g) => {
                 self.shared_granted(now, g);
                 true
             }
-            _ => false,
+            Err(_) => false,
         }
     }
 
@@ -456,7 +467,7 @@ impl Core {
             self.gang_deadlines.remove(&(d, gid));
         }
         if !gone.granted && gone.kind == LeaseKind::Shared {
-            self.shared_unqueue(&gone.resource, gone_id);
+            self.shared_unqueue(now, &gone.resource, gone_id);
         }
         for id in g.members {
             let Some(l) = self.kl.get(&id) else {
@@ -464,7 +475,7 @@ impl Core {
             };
             let r = l.resource.clone();
             if !l.granted && l.kind == LeaseKind::Shared {
-                self.shared_unqueue(&r, id);
+                self.shared_unqueue(now, &r, id);
             }
             self.kgang_end_member(now, id, why.clone());
             if g.kind == LeaseKind::Ttl {

@@ -10,6 +10,8 @@
 //! * **epochs** of new grants strictly increase per resource, across restarts;
 //! * **TTL**: at most one live TTL lease per resource;
 //! * **shared**: an exclusive holder holds alone (no reader beside a writer);
+//! * **fairness of shared gangs**: no writer that arrived after a waiting shared gang holds
+//!   one of its members (the fence of `core::fence`);
 //! * **gangs**: a granted gang holds every member (its own leases), a waiting one none —
 //!   for connection-bound exclusive gangs, TTL gangs and shared gangs (bound or timed); no
 //!   member of a TTL/shared gang lives without its gang; a gang's grant is durable before
@@ -400,16 +402,38 @@ impl Model {
                 .filter(|l| l.bound && l.reclaim_deadline.is_none())
                 .filter_map(|l| l.session)
                 .collect();
-            // Waiting shared gangs: on a member that admits no reader now.
+            // Waiting shared gangs: on a member where a writer holds, or one that arrived
+            // before the gang waits.
             let gang_waits: Vec<u64> = self
                 .core
                 .shared_gang_waits
                 .get(r)
-                .filter(|_| !self.core.shared.admits_reader(r))
                 .into_iter()
                 .flatten()
                 .copied()
+                .filter(|id| !self.core.shared.admits_gang_reader(r, *id))
                 .collect();
+            // The oldest waiting gang's fence: every writer queued after it waits for it
+            // (none when the fence is planted away: the fairness check must catch that).
+            let fence = self
+                .core
+                .shared_gang_waits
+                .get(r)
+                .filter(|_| !self.core.planted.shared_gang_unfenced)
+                .and_then(|q| q.first())
+                .and_then(|id| self.core.kl.get(id).map(|l| (*id, l.session)));
+            if let Some((f, Some(gs))) = fence {
+                for id in self.core.shared.waiters(r).0 {
+                    let Some(l) = self.core.kl.get(&id) else {
+                        continue;
+                    };
+                    if id > f && l.mode == Some(Mode::Exclusive) {
+                        if let Some(w) = l.session {
+                            edges.entry(w).or_default().insert(gs);
+                        }
+                    }
+                }
+            }
             for id in self.core.shared.waiters(r).0.into_iter().chain(gang_waits) {
                 if let Some(w) = self.core.kl.get(&id).and_then(|l| l.session) {
                     edges.entry(w).or_default().extend(holders.iter().copied());
@@ -440,6 +464,18 @@ impl Model {
             );
             self.deadlock_checks += u64::from(cyclic);
             self.shared_cycles += u64::from(cyclic && shared_waiters.contains(&s));
+        }
+        // Fairness of shared gangs: no writer that arrived after a waiting shared gang
+        // holds one of its members (the fence, `core::fence`).
+        for r in SHARED {
+            if let Some(f) = self.core.shared_gang_waits.get(r).and_then(|q| q.first()) {
+                for (id, mode) in self.core.shared.holders(r) {
+                    prop_assert!(
+                        !(mode == crate::kinds::shared::Mode::Exclusive && id > *f),
+                        "writer {id} on {r} granted ahead of the waiting shared gang member {f}"
+                    );
+                }
+            }
         }
         // No gang is held in part: a granted gang holds every member, with its own leases.
         for (id, g) in &self.core.gangs {
@@ -866,7 +902,8 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
     let clean = !(planted.grant_not_persisted
         || planted.ttl_ignores_holder
         || planted.gang_partial
-        || planted.kind_gang_partial);
+        || planted.kind_gang_partial
+        || planted.shared_gang_unfenced);
     if cycles.into_inner() == 0 && clean && !overlap {
         return Err("no history reached a deadlock: the graph check is vacuous".into());
     }
@@ -949,6 +986,16 @@ fn the_model_catches_a_stale_edge_in_the_wait_for_graph() {
     };
     let e = run_histories(600, p, false).unwrap_err();
     assert!(e.contains("deadlocked per the graph vs the table"), "{e}");
+}
+
+#[test]
+fn the_model_catches_a_writer_granted_ahead_of_a_waiting_shared_gang() {
+    let p = Planted {
+        shared_gang_unfenced: true,
+        ..Planted::default()
+    };
+    let e = run_histories(600, p, false).unwrap_err();
+    assert!(e.contains("ahead of the waiting shared gang"), "{e}");
 }
 
 #[test]

@@ -22,6 +22,7 @@
 mod deadlock;
 mod delta;
 mod exclusive;
+mod fence;
 mod gang;
 mod kgang;
 #[cfg(test)]
@@ -736,6 +737,8 @@ pub(crate) struct Planted {
     pub kind_gang_partial: bool,
     /// The wait-for graph forgets to drop the edge of a waiter that left.
     pub stale_wait_edges: bool,
+    /// A waiting shared gang reserves nothing: later writers on its members go first.
+    pub shared_gang_unfenced: bool,
 }
 
 /// Constant-time string comparison for secrets (reclaim tokens, admin tokens, lease tokens

@@ -22,6 +22,13 @@
 //!   checks exactly this: whenever a request is granted, every request that arrived before it
 //!   and still waits is parked, and a resource never has an unparked request waiting with
 //!   nothing blocking it.
+//! * **Gang fence.** The core may set a *fence* on a resource ([`SharedTable::set_fence`]):
+//!   the lease id of a waiting shared gang's member. While it is set, no exclusive request
+//!   with a larger id (one that arrived later) is granted; the gang's member is let in
+//!   ahead of them with [`SharedTable::admit_gang_reader`] once no writer holds the resource
+//!   and none that arrived before it waits ([`SharedTable::admits_gang_reader`]). So a
+//!   writer is overtaken only by gangs that arrived before it, and a gang only by writers
+//!   that arrived before it.
 //! * **Versions.** Each resource has a `version` (0 initially). Only [`SharedTable::commit`]
 //!   by the exclusive holder changes it, by +1, and returns the new value; a holder may
 //!   commit several times. An exclusive lease that ends without a commit (released, expired,
@@ -157,6 +164,9 @@ pub enum SharedError {
     /// `min_version` on an exclusive request.
     #[error("min_version applies to shared requests only")]
     MinVersionOnExclusive,
+    /// A gang reader let in while an exclusive lease is held.
+    #[error("lease {0} holds the resource exclusively: no reader is let in")]
+    WriterHolds(LeaseId),
 }
 
 /// Persisted records that cannot be restored.
@@ -276,6 +286,10 @@ struct Res {
     parked: BTreeMap<(u64, u64), Waiter>,
     /// Holders granted, changed or ended since the record was last taken.
     changed: BTreeSet<LeaseId>,
+    /// A waiting shared gang's reservation (the core's, see [`SharedTable::set_fence`]):
+    /// no exclusive request with a larger id is granted while it is set. Not persisted
+    /// (waiters are not).
+    fence: Option<LeaseId>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -365,7 +379,9 @@ impl SharedTable {
         while let Some(entry) = res.queue.first_entry() {
             let ok = match entry.get().mode {
                 Mode::Shared => res.exclusive.is_none() || bug,
-                Mode::Exclusive => res.holders.is_empty(),
+                Mode::Exclusive => {
+                    res.holders.is_empty() && res.fence.is_none_or(|f| entry.get().id < f)
+                }
             };
             if !ok {
                 break;
@@ -484,6 +500,81 @@ impl SharedTable {
         self.resources
             .get(resource)
             .is_none_or(|r| r.exclusive.is_none() && r.queue.is_empty())
+    }
+
+    /// Sets (or lifts) the reservation of a waiting shared gang on `resource`: while
+    /// `fence` is `Some(f)`, an exclusive request with an id above `f` (one that arrived
+    /// after the gang's member `f`) is not granted; it stays queued and blocks the queue
+    /// behind it, as any waiting writer does. Returns the grants that lifting (or raising)
+    /// the fence makes possible.
+    pub fn set_fence(&mut self, resource: &str, fence: Option<LeaseId>) -> Vec<Grant> {
+        let Some(res) = self.resources.get_mut(resource) else {
+            if fence.is_some() {
+                self.resources
+                    .entry(resource.to_string())
+                    .or_default()
+                    .fence = fence;
+            }
+            return Vec::new();
+        };
+        if res.fence == fence {
+            return Vec::new();
+        }
+        res.fence = fence;
+        self.pump(resource)
+    }
+
+    /// The fence set on `resource` ([`SharedTable::set_fence`]), if any.
+    pub fn fence(&self, resource: &str) -> Option<LeaseId> {
+        self.resources.get(resource).and_then(|r| r.fence)
+    }
+
+    /// Whether a gang reader with id `id` (a member that arrived as `id`) could be let in on
+    /// `resource` now: no exclusive holder, and no exclusive request that arrived before it
+    /// waits in the queue (writer priority, by arrival).
+    pub fn admits_gang_reader(&self, resource: &str, id: LeaseId) -> bool {
+        self.resources.get(resource).is_none_or(|r| {
+            r.exclusive.is_none()
+                && !r
+                    .queue
+                    .values()
+                    .any(|w| w.mode == Mode::Exclusive && w.id < id)
+        })
+    }
+
+    /// Lets a shared gang's member in as a reader at once, ahead of the requests queued
+    /// after it arrived (the caller checked [`SharedTable::admits_gang_reader`]). Refused
+    /// while an exclusive lease is held.
+    pub fn admit_gang_reader(&mut self, req: Request) -> Result<Grant, SharedError> {
+        if self.index.contains_key(&req.id) {
+            return Err(SharedError::DuplicateId(req.id));
+        }
+        let res = self.resources.entry(req.resource.clone()).or_default();
+        if let Some(x) = res.exclusive {
+            return Err(SharedError::WriterHolds(x));
+        }
+        res.epoch += 1;
+        res.changed.insert(req.id);
+        res.holders.insert(
+            req.id,
+            Holder {
+                holder: req.holder.clone(),
+                mode: Mode::Shared,
+                epoch: res.epoch,
+                version: res.version,
+                commits: 0,
+            },
+        );
+        self.index
+            .insert(req.id, (req.resource.clone(), Place::Holder));
+        Ok(Grant {
+            id: req.id,
+            resource: req.resource,
+            holder: req.holder,
+            mode: Mode::Shared,
+            epoch: res.epoch,
+            version: res.version,
+        })
     }
 
     /// The resource's version (0 if never used).

@@ -1,7 +1,7 @@
 //! TTL and shared gangs against real `lockd serve` processes, over raw protocol-2 JSON
 //! lines: a TTL gang kept whole, with its deadline, across a SIGKILL restart, renewed and
 //! released by its id with the old token; a revoked member named to the holder.
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
@@ -89,4 +89,120 @@ fn a_revoked_member_of_a_shared_gang_is_named_to_its_holder() {
     a.until("lease_ended", Duration::from_secs(5));
     a.until("lease_ended", Duration::from_secs(5));
     assert_eq!(admin.lease(u64_of(&g, "gang_id"))["state"], "revoked");
+}
+
+/// How long each writer of the stream holds its resource.
+const HOLD: Duration = Duration::from_millis(100);
+
+/// One writer of the stream: holds `m` (or waits for it), keeps it for [`HOLD`], releases
+/// and asks again at once, until `stop`; counts its grants.
+fn writer(
+    mut c: Raw,
+    m: String,
+    mut holding: bool,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    grants: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) {
+    use std::sync::atomic::Ordering;
+    loop {
+        if !holding {
+            c.until("granted", Duration::from_secs(10));
+            grants.fetch_add(1, Ordering::Relaxed);
+        }
+        std::thread::sleep(HOLD);
+        c.rpc(json!({"op":"release","resource":m}), "released");
+        holding = false;
+        if stop.load(Ordering::Relaxed) {
+            return;
+        }
+        c.send(&json!({"op":"acquire","resource":m,"holder":"w","mode":"exclusive"}));
+    }
+}
+
+/// Stops the writers however the test ends (a failed assertion included).
+struct StopOnDrop(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The gang fairness bound (issue 12): a shared gang over 4 resources waiting behind a
+/// stream of exclusive 1-resource acquires. Each resource has two writers that hand it to
+/// each other (a release grants the waiting one in the same step, and the releaser asks
+/// again at once): without a rule, no member is ever free and the gang starves (its 4 s
+/// timeout cancels it — checked by planting the fence away). With the fence, the writers
+/// ahead of the gang (one holding, one queued per member) finish and the gang is granted:
+/// within 2 × HOLD of its arrival in theory, asserted within [`BOUND`] (slack for a loaded
+/// 2-core machine).
+#[test]
+fn a_shared_gang_behind_a_stream_of_writers_is_granted_within_the_bound() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    const BOUND: Duration = Duration::from_millis(1000);
+    let _process = serial();
+    let d = tempfile::tempdir().unwrap();
+    let l = Lockd2::start(d.path(), &[]);
+    let names = ["g0", "g1", "g2", "g3"];
+    let stop = Arc::new(AtomicBool::new(false));
+    let grants = Arc::new(AtomicU64::new(0));
+    let _stop_writers = StopOnDrop(stop.clone());
+    let mut threads = Vec::new();
+    for m in names {
+        let mut a = l.raw();
+        a.rpc(
+            json!({"op":"acquire","resource":m,"holder":"w","mode":"exclusive"}),
+            "granted",
+        );
+        let mut b = l.raw();
+        b.rpc(
+            json!({"op":"acquire","resource":m,"holder":"w","mode":"exclusive"}),
+            "queued",
+        );
+        for (c, holding) in [(a, true), (b, false)] {
+            let (m, stop, grants) = (m.to_string(), stop.clone(), grants.clone());
+            threads.push(std::thread::spawn(move || {
+                writer(c, m, holding, stop, grants)
+            }));
+        }
+    }
+    // Let the stream run: every member changes hands without ever being free.
+    std::thread::sleep(3 * HOLD);
+    let before = grants.load(Ordering::Relaxed);
+    assert!(before >= 4, "the writers stream: {before} grants");
+    let mut g = l.raw();
+    let t0 = Instant::now();
+    g.send(
+        &json!({"op":"acquire","resource":"tp","holder":"eng","gang":names,
+                   "mode":"shared","timeout_ms":4000}),
+    );
+    let first = g.until("queued", REPLY);
+    let got = g.until("gang_granted", Duration::from_secs(6));
+    let waited = t0.elapsed();
+    assert_eq!(got["kind"], "shared", "{got} after {first}");
+    assert_eq!(members(&got).len(), 4, "{got}");
+    eprintln!("shared gang granted {waited:?} after its acquire, behind the stream");
+    assert!(
+        waited <= BOUND,
+        "granted after {waited:?}, above the bound {BOUND:?}"
+    );
+    // While it holds, the writers wait (no writer beside its readers) ...
+    std::thread::sleep(HOLD / 2);
+    let during = grants.load(Ordering::Relaxed);
+    std::thread::sleep(2 * HOLD);
+    assert_eq!(
+        grants.load(Ordering::Relaxed),
+        during,
+        "a writer beside the gang"
+    );
+    // ... and go on once it lets go.
+    drop(g);
+    wait_for(Duration::from_secs(5), "the stream resumes", || {
+        (grants.load(Ordering::Relaxed) > during).then_some(())
+    });
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().expect("writer thread");
+    }
 }

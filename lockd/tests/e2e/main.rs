@@ -38,6 +38,7 @@ mod kinds_quantity;
 mod kinds_shared;
 mod kinds_ttl;
 mod lease_client;
+mod lease_client_gang;
 mod metrics_and_shutdown;
 mod proto_proptest;
 mod reserve_qurd;
