@@ -3,7 +3,10 @@
 //! lockd keeps one etcd lease per local session alive with keepalives. etcd restarts a
 //! lease's TTL when its leader *processes* a keepalive, which is after lockd *sent* it; so
 //! after the keepalive sent at `s` is acknowledged with TTL `T`, etcd cannot expire the lease
-//! (and so cannot let another node's waiter be granted) before `s + T` on etcd's clock. On
+//! (and so cannot let another node's waiter be granted) before `s + T` on etcd's clock (not
+//! so on etcd < 3.4.31 / 3.5.13, whose leader, stalled and resumed, may revoke a lease the next
+//! leader keeps alive: etcd-io/etcd#15247, docs/ETCD.md; no deadline computed from the new
+//! leader's acknowledgements covers that). On
 //! lockd's monotonic clock that is no earlier than `s + T·(1 − ε)` where `ε` bounds the
 //! difference of the two clocks' rates. lockd must have its holders dead by then: it tells
 //! them `lost` at the **deadline**
