@@ -1438,9 +1438,13 @@ impl Session {
             connected = self.connected, "etcd lease not renewed in time: telling the holders to fence");
         if let Some(l) = self.lease.take() {
             l.keeper.abort();
-            // Best effort: it may be gone already; if etcd is back, it ends now.
+            // Best effort: it may be gone already; if etcd is back, it ends — but not before
+            // the holders told now can be dead (pause + kill, as at shutdown): revoking at once
+            // would let another node be granted while they may still run.
             let ctx = self.ctx.clone();
+            let wait = ctx.cfg.margin.pause + ctx.cfg.margin.kill;
             tokio::spawn(async move {
+                tokio::time::sleep(wait).await;
                 let mut c = ctx.client.clone();
                 if mutex::bounded(ctx.cfg.op_timeout, c.lease_revoke(l.id))
                     .await
