@@ -55,6 +55,15 @@ fn hello_features() -> Vec<String> {
         .map(|f| f.to_string())
         .collect()
 }
+/// Opt-in `LOCKD_ETCD_FREEZE_ON_LEADER_CHANGE=1`: a session's fence stops crediting keepalive
+/// answers once one comes from a newer etcd raft term ([`Fence::freeze_on_term_change`]): safe
+/// against etcd < 3.4.31's stale-leader revoke (etcd-io/etcd#15247), at the cost of a fence at
+/// every etcd leader change.
+fn freeze_on_leader_change() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LOCKD_ETCD_FREEZE_ON_LEADER_CHANGE").is_ok_and(|v| v == "1"))
+}
+
 /// Events waiting for a client that does not read before it is disconnected.
 const OUTBOUND_QUEUE: usize = 1024;
 /// Lock keys `status` reads at most.
@@ -336,6 +345,9 @@ impl EtcdServer {
                  holder lives, which lockd's self-fence cannot cover (docs/ETCD.md)"),
             Some(false) => {}
             None => warn!(etcd_version = %etcd_version, "cannot read etcd's version"),
+        }
+        if freeze_on_leader_change() {
+            info!("LOCKD_ETCD_FREEZE_ON_LEADER_CHANGE=1: a session's lease is fenced at its last deadline of the old term after any etcd leader change");
         }
         if !hello_features()
             .iter()
@@ -989,6 +1001,7 @@ impl Session {
         let sent_at = Instant::now();
         let g = mutex::bounded(self.op_timeout(), client.lease_grant(ttl_secs, None)).await?;
         let id = g.id();
+        let grant_term = g.header().map(|h| h.raft_term()).unwrap_or(0);
         self.ctx.live_leases().insert(id);
         info!(
             session = self.id,
@@ -1003,6 +1016,7 @@ impl Session {
             id,
             sent_at,
             g.ttl(),
+            grant_term,
             self.tx.clone(),
             deadline_tx,
         ));
@@ -1620,18 +1634,23 @@ async fn acquire_task(
 }
 
 /// Keep the session's lease alive and run its fence; on loss, tell the session and stop.
+#[allow(clippy::too_many_arguments)]
 async fn keep_alive(
     ctx: Arc<Ctx>,
     session: u64,
     lease: i64,
     granted_sent_at: Instant,
     ttl_secs: i64,
+    grant_term: u64,
     tx: mpsc::UnboundedSender<Msg>,
     deadline_tx: tokio::sync::watch::Sender<Option<Instant>>,
 ) {
     let mut fence = Fence::new(ctx.cfg.margin);
     if ctx.cfg.planted_bug_no_margin {
         fence = fence.planted_bug_no_margin();
+    }
+    if freeze_on_leader_change() {
+        fence = fence.freeze_on_term_change();
     }
     let ttl = Duration::from_secs(u64::try_from(ttl_secs.max(1)).unwrap_or(1));
     let margin = if ctx.cfg.planted_bug_no_margin {
@@ -1671,6 +1690,9 @@ async fn keep_alive(
         }
     };
     let now = Instant::now();
+    if grant_term != 0 {
+        fence.step(now, FenceInput::Term { term: grant_term });
+    }
     if let Some(c) = report(fence.step(
         now,
         FenceInput::Granted {
@@ -1757,6 +1779,10 @@ async fn keep_alive(
                                     "etcd's raft term changed while the lease is kept alive (a new etcd leader)");
                             }
                             last_term = Some(term);
+                            if let Some(c) = report(fence.step(Instant::now(), FenceInput::Term { term })) {
+                                let _ = tx.send(Msg::Lost { cause: c });
+                                return;
+                            }
                         }
                         if let Some(c) = report(fence.step(Instant::now(), FenceInput::Acked { ttl_secs: resp.ttl() })) {
                             let _ = tx.send(Msg::Lost { cause: c });
