@@ -3,7 +3,10 @@
 //! lockd keeps one etcd lease per local session alive with keepalives. etcd restarts a
 //! lease's TTL when its leader *processes* a keepalive, which is after lockd *sent* it; so
 //! after the keepalive sent at `s` is acknowledged with TTL `T`, etcd cannot expire the lease
-//! (and so cannot let another node's waiter be granted) before `s + T` on etcd's clock. On
+//! (and so cannot let another node's waiter be granted) before `s + T` on etcd's clock (not
+//! so on etcd < 3.4.31 / 3.5.13, whose leader, stalled and resumed, may revoke a lease the next
+//! leader keeps alive: etcd-io/etcd#15247, docs/ETCD.md; no deadline computed from the new
+//! leader's acknowledgements covers that). On
 //! lockd's monotonic clock that is no earlier than `s + T·(1 − ε)` where `ε` bounds the
 //! difference of the two clocks' rates. lockd must have its holders dead by then: it tells
 //! them `lost` at the **deadline**
@@ -22,6 +25,10 @@
 //! Acknowledgements are matched to sends in order (one keepalive stream: etcd answers the
 //! requests of a stream one by one, in order); a new stream forgets the sends of the old one
 //! (`StreamReset`), so an answer can never be credited to a later send than its own.
+//!
+//! Opt-in ([`Fence::freeze_on_term_change`]): once an answer of a newer etcd raft term arrives
+//! (`Term`, fed before the answer), nothing more is credited, against etcd < 3.4.31's stale
+//! leader revoking the lease when it resumes.
 //!
 //! [`Fence::step`] returns what changed; the driver logs one line per transition, sleeps
 //! until [`Fence::deadline`], and on [`FenceOutput::Lost`] sends every local holder of the
@@ -70,6 +77,12 @@ pub enum FenceInput {
     Acked {
         /// TTL in the answer.
         ttl_secs: i64,
+    },
+    /// The answer fed next (an `Acked`, or the grant just fed) was given in this etcd raft
+    /// term (its header's `raft_term`, filled by the answering member before the renewal).
+    Term {
+        /// The raft term.
+        term: u64,
     },
     /// The keepalive stream was replaced: its unanswered sends can never be credited.
     StreamReset,
@@ -129,6 +142,13 @@ pub struct Fence {
     margin: Margin,
     /// PLANTED BUG switch (tests only): ignore the margin, fence at the lease's expiry.
     no_margin: bool,
+    /// Opt-in: after a raft term change the deadline no longer moves (see
+    /// [`Fence::freeze_on_term_change`]).
+    freeze_on_term_change: bool,
+    /// The highest raft term an answer was given in.
+    term: Option<u64>,
+    /// A term change was seen with `freeze_on_term_change`: nothing is credited any more.
+    frozen: bool,
     phase: Phase,
     /// Send times of the keepalives of the current stream not answered yet, oldest first.
     pending: VecDeque<Instant>,
@@ -144,6 +164,9 @@ impl Fence {
         Fence {
             margin,
             no_margin: false,
+            freeze_on_term_change: false,
+            term: None,
+            frozen: false,
             phase: Phase::Idle,
             pending: VecDeque::new(),
         }
@@ -153,6 +176,18 @@ impl Fence {
     /// only when etcd may already have expired the lease).
     pub fn planted_bug_no_margin(mut self) -> Fence {
         self.no_margin = true;
+        self
+    }
+
+    /// Opt-in safety against etcd < 3.4.31 / 3.5.13 (etcd-io/etcd#15247): a leader that was
+    /// stalled revokes, when it resumes, the leases it saw no renewal of, however well the new
+    /// leader kept them alive. Its view of this lease ends no earlier than the last send it
+    /// acknowledged + TTL, and every answer it gave carries the old term; so once an answer of
+    /// a newer term arrives, the deadline stays where the old term's answers put it (answers
+    /// of the new term are not credited; TTL ≤ 0 is still lost at once). The cost: every etcd
+    /// leader change — a kill or a restart as well as a stall — ends in this session's fence.
+    pub fn freeze_on_term_change(mut self) -> Fence {
+        self.freeze_on_term_change = true;
         self
     }
 
@@ -207,6 +242,13 @@ impl Fence {
                 // An answer to nothing we sent on this stream: credit nothing.
                 None => None,
             },
+            FenceInput::Term { term } => {
+                if self.term.is_some_and(|t| term > t) && self.freeze_on_term_change {
+                    self.frozen = true;
+                }
+                self.term = Some(self.term.map_or(term, |t| t.max(term)));
+                None
+            }
             FenceInput::StreamReset => {
                 self.pending.clear();
                 None
@@ -245,6 +287,9 @@ impl Fence {
             return Some(FenceOutput::Lost {
                 cause: LostCause::EtcdExpired,
             });
+        }
+        if self.frozen {
+            return None;
         }
         let ttl = Duration::from_secs(u64::try_from(ttl_secs).unwrap_or(0));
         // Never move the deadline backwards (an answer to an older send, or a smaller TTL,
@@ -491,6 +536,102 @@ mod tests {
             None
         );
         assert_eq!(f.deadline(), Some(d));
+    }
+
+    #[test]
+    fn a_term_change_moves_nothing_by_default() {
+        let t0 = Instant::now();
+        let mut f = fence();
+        f.step(t0, FenceInput::Term { term: 3 });
+        f.step(
+            t0,
+            FenceInput::Granted {
+                sent_at: t0,
+                ttl_secs: 2,
+            },
+        );
+        f.step(t0 + ms(500), FenceInput::Sent);
+        assert_eq!(f.step(t0 + ms(510), FenceInput::Term { term: 4 }), None);
+        assert_eq!(
+            f.step(t0 + ms(510), FenceInput::Acked { ttl_secs: 2 }),
+            Some(FenceOutput::Renewed {
+                deadline: t0 + ms(500 + 1380)
+            })
+        );
+    }
+
+    #[test]
+    fn with_freeze_an_answer_of_a_newer_term_is_not_credited() {
+        let t0 = Instant::now();
+        let mut f = fence().freeze_on_term_change();
+        f.step(t0, FenceInput::Term { term: 3 });
+        f.step(
+            t0,
+            FenceInput::Granted {
+                sent_at: t0,
+                ttl_secs: 2,
+            },
+        );
+        // Same term: credited.
+        f.step(t0 + ms(500), FenceInput::Sent);
+        f.step(t0 + ms(505), FenceInput::Term { term: 3 });
+        assert_eq!(
+            f.step(t0 + ms(505), FenceInput::Acked { ttl_secs: 2 }),
+            Some(FenceOutput::Renewed {
+                deadline: t0 + ms(1880)
+            })
+        );
+        // A new leader answers (term 4): the deadline stays at the old term's.
+        f.step(t0 + ms(1000), FenceInput::Sent);
+        assert_eq!(f.step(t0 + ms(1005), FenceInput::Term { term: 4 }), None);
+        assert_eq!(
+            f.step(t0 + ms(1005), FenceInput::Acked { ttl_secs: 2 }),
+            None
+        );
+        assert_eq!(f.deadline(), Some(t0 + ms(1880)));
+        // An answer of the old term again (a lagging member) does not revive it either.
+        f.step(t0 + ms(1200), FenceInput::Sent);
+        f.step(t0 + ms(1205), FenceInput::Term { term: 3 });
+        assert_eq!(
+            f.step(t0 + ms(1205), FenceInput::Acked { ttl_secs: 2 }),
+            None
+        );
+        // TTL 0 is still lost at once.
+        f.step(t0 + ms(1300), FenceInput::Sent);
+        assert_eq!(
+            f.step(t0 + ms(1305), FenceInput::Acked { ttl_secs: 0 }),
+            Some(FenceOutput::Lost {
+                cause: LostCause::EtcdExpired
+            })
+        );
+    }
+
+    #[test]
+    fn with_freeze_the_fence_fires_at_the_old_terms_deadline() {
+        let t0 = Instant::now();
+        let mut f = fence().freeze_on_term_change();
+        f.step(t0, FenceInput::Term { term: 7 });
+        f.step(
+            t0,
+            FenceInput::Granted {
+                sent_at: t0,
+                ttl_secs: 2,
+            },
+        );
+        // The leader changed before any keepalive answer: the grant's deadline stands.
+        f.step(t0 + ms(300), FenceInput::Sent);
+        f.step(t0 + ms(900), FenceInput::Term { term: 8 });
+        assert_eq!(
+            f.step(t0 + ms(900), FenceInput::Acked { ttl_secs: 2 }),
+            None
+        );
+        assert_eq!(f.step(t0 + ms(1379), FenceInput::Tick), None);
+        assert!(matches!(
+            f.step(t0 + ms(1380), FenceInput::Tick),
+            Some(FenceOutput::Lost {
+                cause: LostCause::DeadlinePassed { .. }
+            })
+        ));
     }
 
     #[test]

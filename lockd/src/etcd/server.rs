@@ -55,6 +55,15 @@ fn hello_features() -> Vec<String> {
         .map(|f| f.to_string())
         .collect()
 }
+/// Opt-in `LOCKD_ETCD_FREEZE_ON_LEADER_CHANGE=1`: a session's fence stops crediting keepalive
+/// answers once one comes from a newer etcd raft term ([`Fence::freeze_on_term_change`]): safe
+/// against etcd < 3.4.31's stale-leader revoke (etcd-io/etcd#15247), at the cost of a fence at
+/// every etcd leader change.
+fn freeze_on_leader_change() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LOCKD_ETCD_FREEZE_ON_LEADER_CHANGE").is_ok_and(|v| v == "1"))
+}
+
 /// Events waiting for a client that does not read before it is disconnected.
 const OUTBOUND_QUEUE: usize = 1024;
 /// Lock keys `status` reads at most.
@@ -125,6 +134,24 @@ fn error_line(code: &str, message: impl Into<String>, resource: Option<&str>) ->
         resource: resource.map(str::to_string),
     }
     .encode()
+}
+
+/// Whether an etcd server of `version` (`3.4.23`) lets a leader that was stalled (SIGSTOP, a
+/// stuck disk) revoke, when it resumes, the leases it saw no renewal of: its lessor proposes
+/// the revocations before it is demoted and raft forwards them to the new leader, which
+/// commits them (etcd-io/etcd#15247). Fixed in 3.4.31 and 3.5.13 (and 3.6). None: not a
+/// version.
+fn stale_leader_revokes(version: &str) -> Option<bool> {
+    let mut parts = version.trim().split(['.', '-', '+']);
+    let mut num = || parts.next()?.parse::<u64>().ok();
+    let (major, minor, patch) = (num()?, num()?, num()?);
+    Some(match (major, minor) {
+        (0..=2, _) => true,
+        (3, 0..=3) => true,
+        (3, 4) => patch < 31,
+        (3, 5) => patch < 13,
+        _ => false,
+    })
 }
 
 /// What the registry knows of one session.
@@ -283,12 +310,13 @@ impl EtcdServer {
             source,
         })?;
         // One round trip, so that a wrong endpoint fails here and not at the first acquire.
-        mutex::bounded(cfg.op_timeout, client.status())
+        let status = mutex::bounded(cfg.op_timeout, client.status())
             .await
             .map_err(|source| EtcdServeError::Connect {
                 endpoints: endpoints.clone(),
                 source,
             })?;
+        let etcd_version = status.version().to_string();
         let mut unix = Vec::new();
         let mut tcp = Vec::new();
         for ep in &cfg.listen {
@@ -309,6 +337,17 @@ impl EtcdServer {
             planted_bug_no_margin = cfg.planted_bug_no_margin, "lockd serving with the etcd backend");
         if cfg.planted_bug_no_margin {
             warn!("PLANTED BUG: the self-fence ignores its margin (holders are told only at the lease's expiry)");
+        }
+        match stale_leader_revokes(&etcd_version) {
+            Some(true) => warn!(etcd_version = %etcd_version,
+                "this etcd lets a stalled former leader revoke live leases when it resumes \
+                 (etcd-io/etcd#15247, fixed in 3.4.31 and 3.5.13): a lock can then go while its \
+                 holder lives, which lockd's self-fence cannot cover (docs/ETCD.md)"),
+            Some(false) => {}
+            None => warn!(etcd_version = %etcd_version, "cannot read etcd's version"),
+        }
+        if freeze_on_leader_change() {
+            info!("LOCKD_ETCD_FREEZE_ON_LEADER_CHANGE=1: a session's lease is fenced at its last deadline of the old term after any etcd leader change");
         }
         if !hello_features()
             .iter()
@@ -962,6 +1001,7 @@ impl Session {
         let sent_at = Instant::now();
         let g = mutex::bounded(self.op_timeout(), client.lease_grant(ttl_secs, None)).await?;
         let id = g.id();
+        let grant_term = g.header().map(|h| h.raft_term()).unwrap_or(0);
         self.ctx.live_leases().insert(id);
         info!(
             session = self.id,
@@ -976,6 +1016,7 @@ impl Session {
             id,
             sent_at,
             g.ttl(),
+            grant_term,
             self.tx.clone(),
             deadline_tx,
         ));
@@ -1411,9 +1452,13 @@ impl Session {
             connected = self.connected, "etcd lease not renewed in time: telling the holders to fence");
         if let Some(l) = self.lease.take() {
             l.keeper.abort();
-            // Best effort: it may be gone already; if etcd is back, it ends now.
+            // Best effort: it may be gone already; if etcd is back, it ends — but not before
+            // the holders told now can be dead (pause + kill, as at shutdown): revoking at once
+            // would let another node be granted while they may still run.
             let ctx = self.ctx.clone();
+            let wait = ctx.cfg.margin.pause + ctx.cfg.margin.kill;
             tokio::spawn(async move {
+                tokio::time::sleep(wait).await;
                 let mut c = ctx.client.clone();
                 if mutex::bounded(ctx.cfg.op_timeout, c.lease_revoke(l.id))
                     .await
@@ -1589,18 +1634,23 @@ async fn acquire_task(
 }
 
 /// Keep the session's lease alive and run its fence; on loss, tell the session and stop.
+#[allow(clippy::too_many_arguments)]
 async fn keep_alive(
     ctx: Arc<Ctx>,
     session: u64,
     lease: i64,
     granted_sent_at: Instant,
     ttl_secs: i64,
+    grant_term: u64,
     tx: mpsc::UnboundedSender<Msg>,
     deadline_tx: tokio::sync::watch::Sender<Option<Instant>>,
 ) {
     let mut fence = Fence::new(ctx.cfg.margin);
     if ctx.cfg.planted_bug_no_margin {
         fence = fence.planted_bug_no_margin();
+    }
+    if freeze_on_leader_change() {
+        fence = fence.freeze_on_term_change();
     }
     let ttl = Duration::from_secs(u64::try_from(ttl_secs.max(1)).unwrap_or(1));
     let margin = if ctx.cfg.planted_bug_no_margin {
@@ -1640,6 +1690,9 @@ async fn keep_alive(
         }
     };
     let now = Instant::now();
+    if grant_term != 0 {
+        fence.step(now, FenceInput::Term { term: grant_term });
+    }
     if let Some(c) = report(fence.step(
         now,
         FenceInput::Granted {
@@ -1651,6 +1704,11 @@ async fn keep_alive(
         return;
     }
     let mut client = ctx.client.clone();
+    // The raft term of the last keepalive answer (None: none yet). A change means a new etcd
+    // leader; on etcd < 3.4.31 the former one, if it was stalled rather than dead, may still
+    // revoke this lease when it resumes (etcd-io/etcd#15247): logged, so that a loss can be
+    // told apart afterwards.
+    let mut last_term: Option<u64> = None;
     loop {
         // (Re)open the keepalive stream, watching the deadline meanwhile.
         let deadline = fence
@@ -1682,7 +1740,9 @@ async fn keep_alive(
             Some(Ok(ks)) => ks,
         };
         fence.step(Instant::now(), FenceInput::StreamReset);
-        // Opening the stream sends nothing: the first keepalive goes now, then every `every`.
+        // Opening the stream sends one keepalive whose answer etcd-client consumes (never
+        // credited: its send time is unknown here); the first credited one goes now, then
+        // every `every`.
         let mut next_send = tokio::time::Instant::now();
         loop {
             let deadline = fence
@@ -1707,6 +1767,23 @@ async fn keep_alive(
                 }
                 m = stream.message() => match m {
                     Ok(Some(resp)) => {
+                        let (member, term) = resp
+                            .header()
+                            .map(|h| (h.member_id(), h.raft_term()))
+                            .unwrap_or((0, 0));
+                        debug!(session, lease = %lease_hex, member = format_args!("{member:016x}"), term, ttl_secs = resp.ttl(), "keepalive answered");
+                        if term != 0 {
+                            if let Some(old) = last_term.filter(|old| *old != term) {
+                                info!(session, lease = %lease_hex, from_term = old, to_term = term,
+                                    member = format_args!("{member:016x}"),
+                                    "etcd's raft term changed while the lease is kept alive (a new etcd leader)");
+                            }
+                            last_term = Some(term);
+                            if let Some(c) = report(fence.step(Instant::now(), FenceInput::Term { term })) {
+                                let _ = tx.send(Msg::Lost { cause: c });
+                                return;
+                            }
+                        }
                         if let Some(c) = report(fence.step(Instant::now(), FenceInput::Acked { ttl_secs: resp.ttl() })) {
                             let _ = tx.send(Msg::Lost { cause: c });
                             return;
@@ -1745,6 +1822,27 @@ async fn keep_alive(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn etcd_versions_with_the_stale_leader_revoke_are_recognised() {
+        for v in ["3.4.23", "3.4.30", "3.5.0", "3.5.12", "3.3.27", "2.3.8"] {
+            assert_eq!(stale_leader_revokes(v), Some(true), "{v}");
+        }
+        for v in [
+            "3.4.31",
+            "3.4.39",
+            "3.5.13",
+            "3.5.21",
+            "3.6.0",
+            "3.6.4-rc.0",
+            "4.0.0",
+        ] {
+            assert_eq!(stale_leader_revokes(v), Some(false), "{v}");
+        }
+        for v in ["", "3.4", "x.y.z", "3.4.x"] {
+            assert_eq!(stale_leader_revokes(v), None, "{v:?}");
+        }
+    }
 
     #[test]
     fn put_fenced_lines_are_recognised_and_checked() {
