@@ -15,13 +15,13 @@ use std::time::Duration;
 
 const LIMIT: Duration = Duration::from_secs(10);
 
-async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+pub(crate) async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(LIMIT, f)
         .await
         .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
 }
 
-async fn client(l: &Lockd) -> LeaseClient {
+pub(crate) async fn client(l: &Lockd) -> LeaseClient {
     let ep: Endpoint = l.endpoint().parse().unwrap();
     within("connect", LeaseClient::connect(&ep))
         .await
@@ -43,7 +43,10 @@ async fn queued(c: &LeaseClient, a: &Acquire) -> u64 {
 }
 
 /// The next event that `f` accepts (others are skipped), bounded.
-async fn event_matching(c: &mut LeaseClient, f: impl Fn(&LeaseEvent) -> bool) -> LeaseEvent {
+pub(crate) async fn event_matching(
+    c: &mut LeaseClient,
+    f: impl Fn(&LeaseEvent) -> bool,
+) -> LeaseEvent {
     within("event", async {
         loop {
             match c.next_event().await {

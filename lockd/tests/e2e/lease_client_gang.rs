@@ -7,24 +7,11 @@ use lockd::lease_client::{
     Acquire, Acquired, Ended, Gang, GangAcquire, GangAcquired, LeaseClient, LeaseError, LeaseEvent,
 };
 use lockd::proto::{LeaseKind, Mode};
-use lockd::Endpoint;
 use serde_json::json;
 use std::time::Duration;
 
-const LIMIT: Duration = Duration::from_secs(10);
-
-async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(LIMIT, f)
-        .await
-        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
-}
-
-async fn client(l: &Lockd) -> LeaseClient {
-    let ep: Endpoint = l.endpoint().parse().unwrap();
-    within("connect", LeaseClient::connect(&ep))
-        .await
-        .expect("connect")
-}
+// The helpers shared with the per-kind client tests.
+use crate::lease_client::{client, event_matching, within};
 
 async fn gang(c: &LeaseClient, a: &GangAcquire) -> Gang {
     match within("acquire_gang", c.acquire_gang(a)).await {
@@ -38,20 +25,6 @@ async fn gang_queued(c: &LeaseClient, a: &GangAcquire) -> u64 {
         Ok(GangAcquired::Queued { gang_id, .. }) => gang_id,
         other => panic!("expected a queued gang for {a:?}, got {other:?}"),
     }
-}
-
-/// The next event that `f` accepts (others are skipped), bounded.
-async fn event_matching(c: &mut LeaseClient, f: impl Fn(&LeaseEvent) -> bool) -> LeaseEvent {
-    within("event", async {
-        loop {
-            match c.next_event().await {
-                Some(e) if f(&e) => return e,
-                Some(_) => {}
-                None => panic!("event stream ended"),
-            }
-        }
-    })
-    .await
 }
 
 /// Revokes lease `id` as an admin over the Unix socket (a failed device, say).
