@@ -278,11 +278,12 @@ fn a_resource_lost_while_the_job_runs_is_reported_and_replaced() {
         .unwrap();
     let lost = format!("unix:{}", ls[victim].socket().display());
     ls[victim].kill();
-    wait_for(Duration::from_secs(10), "CMD told (SIGUSR1)", || {
-        usr1.exists().then_some(())
+    // The trap's `cp` creates the file before it has written it: wait for whole JSON.
+    let after: serde_json::Value = wait_for(Duration::from_secs(10), "CMD told (SIGUSR1)", || {
+        std::fs::read_to_string(&usr1)
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
     });
-    let after: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&usr1).unwrap()).unwrap();
     let now: Vec<&str> = after["endpoints"]
         .as_array()
         .unwrap()
