@@ -406,6 +406,11 @@ fn bare_round_trip(secs: f64) -> f64 {
 /// `DIR/lockd.log`. The launcher removes every `LOCKD_*` variable of this environment (so the
 /// shipped `--busy-poll` default is measured unless `extra` says otherwise).
 fn start_lockd(dir: &Path, metrics: u16, extra: &[&str]) -> Lockd {
+    start_lockd_bin(LOCKD, dir, metrics, extra)
+}
+
+/// [`start_lockd`] with another lockd binary (`--anchor-lockd`).
+fn start_lockd_bin(bin: &str, dir: &Path, metrics: u16, extra: &[&str]) -> Lockd {
     Lockd::start(
         LockdSpec::new(dir)
             .state(dir.join("state.json"))
@@ -413,7 +418,7 @@ fn start_lockd(dir: &Path, metrics: u16, extra: &[&str]) -> Lockd {
             .args(["--rate-limit", "1000000"])
             .args(extra.iter().copied())
             .log_filter(std::env::var("LOCKD_BENCH_LOG").unwrap_or_else(|_| "warn".into()))
-            .bin(LOCKD),
+            .bin(bin),
     )
 }
 
@@ -1170,14 +1175,7 @@ fn main() {
             .local_addr()
             .unwrap()
             .port();
-        Lockd::start(
-            LockdSpec::new(&d)
-                .state(d.join("state.json"))
-                .metrics(format!("127.0.0.1:{port}"))
-                .args(["--rate-limit", "1000000"])
-                .log_filter("warn")
-                .bin(bin),
-        )
+        start_lockd_bin(bin, &d, port, &[])
     });
     let anchor_sock = anchor.as_ref().map(|a| a.socket().to_path_buf());
     let (mut l_us, mut f_us, mut a_us) = (Vec::new(), Vec::new(), Vec::new());
