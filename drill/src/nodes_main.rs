@@ -47,6 +47,12 @@ struct Args {
     /// must exceed it, or an etcd failure costs the lease.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "500ms")]
     election: Duration,
+    /// lockd `--etcd-leader-change`: `trust` keeps the lease across etcd leader changes (the
+    /// etcd kinds must then not move it), `fence` fences the holders at every leader change
+    /// (the etcd kinds may then fail over, but only safely), `auto` (lockd's default) is
+    /// `fence` on an etcd with the stale-leader revoke (etcd-io/etcd#15247, < 3.4.31 / 3.5.13).
+    #[arg(long, default_value = "auto")]
+    leader_change: lockd::etcd::LeaderChange,
     /// Write the report (every trial, per-kind figures) as JSON here.
     #[arg(long)]
     report: Option<PathBuf>,
@@ -91,6 +97,7 @@ fn run(a: Args) -> anyhow::Result<i32> {
         watchdog: (!a.watchdog.is_zero()).then_some(a.watchdog),
         lockd_env: a.lockd_env,
         election: a.election,
+        leader_change: a.leader_change,
         keep_dir: a.keep,
     };
     let out = nodes::run(cfg, &kinds, a.rounds, |t| {

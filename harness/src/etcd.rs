@@ -23,6 +23,19 @@ pub fn binary() -> Option<PathBuf> {
     find_on_path("etcd")
 }
 
+/// The etcd binary's version (`etcd --version`: `etcd Version: 3.4.23`), e.g. `3.4.23`.
+pub fn version() -> Option<String> {
+    let out = Command::new(binary()?)
+        .arg("--version")
+        .env("ETCD_UNSUPPORTED_ARCH", go_arch())
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.strip_prefix("etcd Version:"))
+        .map(|v| v.trim().to_string())
+}
+
 /// `etcdctl` (Debian's etcd-client), for the side-by-side `etcdctl lock` measurements.
 pub fn etcdctl() -> Option<PathBuf> {
     find_on_path("etcdctl")

@@ -269,6 +269,11 @@ struct EtcdArgs {
     /// This lockd's name in lock keys' values (`holder@NODE`); default: hostname.
     #[arg(long, env = "LOCKD_ETCD_NODE")]
     etcd_node: Option<String>,
+    /// At an etcd leader change: `trust` keeps the leases (unsafe on etcd < 3.4.31 / 3.5.13,
+    /// whose stalled former leader can revoke them), `fence` fences every holder at its old
+    /// term's deadline, `auto` (default) fences on such an etcd and trusts a fixed one.
+    #[arg(long, env = "LOCKD_ETCD_LEADER_CHANGE", default_value = "auto")]
+    etcd_leader_change: lockd::etcd::LeaderChange,
 }
 
 #[derive(clap::Args)]
@@ -734,6 +739,7 @@ async fn serve_etcd(a: ServeArgs, shutdown: impl std::future::Future<Output = ()
         idle_timeout: a.idle_timeout,
         op_timeout: e.etcd_op_timeout,
         node,
+        leader_change: e.etcd_leader_change,
     };
     let server = match EtcdServer::bind(cfg).await {
         Ok(s) => s,

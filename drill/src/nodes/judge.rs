@@ -57,7 +57,20 @@ fn ms(later: u64, earlier: u64) -> f64 {
 /// or frozen, a partition), the engine must have been dead at least that long before anyone
 /// could be granted, since a real engine may need all of it to die (the fake one dies in
 /// milliseconds, so the margin left over is the budget that was really granted).
-pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed, kill_ms: f64) -> Trial {
+///
+/// `leader_change_fences`: lockd fences its holders at an etcd leader change
+/// (`--etcd-leader-change fence`, or `auto` on an etcd with the stale-leader revoke). The
+/// etcd kinds (`leader-kill`, `member-pause`) may then cost the lease, but only as a fence
+/// does: the holder's engine dead with its kill budget to spare before anyone could be
+/// granted, and another node taking over. Without it they must not move the lease at all.
+pub fn judge(
+    round: usize,
+    kind: Chaos,
+    holder: usize,
+    o: Observed,
+    kill_ms: f64,
+    leader_change_fences: bool,
+) -> Trial {
     let mut v: Vec<String> = o
         .claim_violations
         .iter()
@@ -72,7 +85,9 @@ pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed, kill_ms: f64
         _ => None,
     };
     let failover_ms = o.granted_us.map(|g| ms(g, o.injected_us));
-    if kind.fails_over() {
+    let lost = first_grant.is_some() || o.holder_left_active || o.engine_dead_us.is_some();
+    let fenced_by_leader_change = !kind.fails_over() && leader_change_fences && lost;
+    if kind.fails_over() || fenced_by_leader_change {
         match (o.engine_dead_us, first_grant) {
             (None, Some(_)) => v.push(
                 "another node could be granted while the holder's engine was alive (never seen dead)"
@@ -87,10 +102,14 @@ pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed, kill_ms: f64
                 "another node could be granted {:.1} ms BEFORE the holder's engine was dead",
                 ms(d, g)
             )),
-            (Some(d), Some(g)) if kind.fenced() && ms(g, d) < kill_ms => v.push(format!(
+            (Some(d), Some(g))
+                if (kind.fenced() || fenced_by_leader_change) && ms(g, d) < kill_ms =>
+            {
+                v.push(format!(
                 "the holder's engine was dead only {:.1} ms before anyone could be granted, less than its kill budget {kill_ms:.0} ms",
                 ms(g, d)
-            )),
+            ))
+            }
             _ => {}
         }
     } else {
@@ -156,6 +175,7 @@ mod tests {
             0,
             failover(2_000_000, 3_200_000, 3_250_000),
             500.0,
+            false,
         );
         assert!(t.violations.is_empty(), "{:?}", t.violations);
         assert_eq!(t.margin_ms, Some(1200.0));
@@ -170,6 +190,7 @@ mod tests {
             0,
             failover(3_300_000, 3_200_000, 3_400_000),
             500.0,
+            false,
         );
         assert_eq!(t.margin_ms, Some(-100.0));
         assert_eq!(t.violations.len(), 1, "{:?}", t.violations);
@@ -179,11 +200,11 @@ mod tests {
     #[test]
     fn a_fenced_holder_dead_with_less_than_its_kill_budget_to_spare_is_a_violation() {
         let o = failover(3_000_000, 3_150_000, 3_200_000);
-        let t = judge(0, Chaos::Partition, 0, o.clone(), 500.0);
+        let t = judge(0, Chaos::Partition, 0, o.clone(), 500.0, false);
         assert_eq!(t.violations.len(), 1, "{:?}", t.violations);
         assert!(t.violations[0].contains("kill budget"));
         // An engine that died by itself releases its lease after its death: no budget owed.
-        assert!(judge(0, Chaos::EngineKill, 0, o, 500.0)
+        assert!(judge(0, Chaos::EngineKill, 0, o, 500.0, false)
             .violations
             .is_empty());
     }
@@ -193,12 +214,12 @@ mod tests {
         let mut o = failover(0, 0, 0);
         o.engine_dead_us = None;
         o.claim_violations = vec!["{}".into()];
-        let t = judge(0, Chaos::EngineKill, 0, o, 500.0);
+        let t = judge(0, Chaos::EngineKill, 0, o, 500.0, false);
         assert_eq!(t.violations.len(), 2, "{:?}", t.violations);
         let mut o = failover(2, 0, 0);
         o.key_deleted_us = None;
         o.granted_us = None;
-        let t = judge(0, Chaos::LockdKill, 0, o, 500.0);
+        let t = judge(0, Chaos::LockdKill, 0, o, 500.0, false);
         assert!(t.violations[0].contains("no other node"));
     }
 
@@ -208,15 +229,53 @@ mod tests {
             injected_us: 5,
             ..Observed::default()
         };
-        assert!(judge(0, Chaos::MemberPause, 0, quiet.clone(), 500.0)
+        assert!(judge(0, Chaos::MemberPause, 0, quiet.clone(), 500.0, false)
             .violations
             .is_empty());
         let mut moved = quiet;
         moved.granted_us = Some(10);
         moved.key_deleted_us = Some(9);
         moved.holder_left_active = true;
-        let t = judge(0, Chaos::LeaderKill, 0, moved, 500.0);
+        let t = judge(0, Chaos::LeaderKill, 0, moved, 500.0, false);
         assert_eq!(t.violations.len(), 4, "{:?}", t.violations);
         assert_eq!(t.margin_ms, None);
+    }
+
+    #[test]
+    fn with_fence_on_leader_change_an_etcd_kind_may_fail_over_but_only_safely() {
+        // Fenced at the old term's deadline: engine dead 2.3 s in, key deleted 0.7 s later.
+        let safe = failover(3_300_000, 4_000_000, 4_050_000);
+        assert!(judge(0, Chaos::LeaderKill, 0, safe.clone(), 500.0, true)
+            .violations
+            .is_empty());
+        // The same without the fence is a lost lease.
+        assert!(!judge(0, Chaos::LeaderKill, 0, safe, 500.0, false)
+            .violations
+            .is_empty());
+        // Fenced, but the key went before the engine's kill budget was spent: caught.
+        let short = failover(3_300_000, 3_500_000, 3_550_000);
+        let t = judge(0, Chaos::MemberPause, 0, short, 500.0, true);
+        assert_eq!(t.violations.len(), 1, "{:?}", t.violations);
+        assert!(
+            t.violations[0].contains("kill budget"),
+            "{:?}",
+            t.violations
+        );
+        // Key deleted before the engine died (the stale leader's revoke): caught.
+        let unsafe_ = failover(3_300_000, 3_200_000, 3_250_000);
+        let t = judge(0, Chaos::MemberPause, 0, unsafe_, 500.0, true);
+        assert!(
+            t.violations.iter().any(|v| v.contains("BEFORE")),
+            "{:?}",
+            t.violations
+        );
+        // Nothing happened: fine in both modes.
+        let quiet = Observed {
+            injected_us: 1_000_000,
+            ..Observed::default()
+        };
+        assert!(judge(0, Chaos::MemberPause, 0, quiet, 500.0, true)
+            .violations
+            .is_empty());
     }
 }

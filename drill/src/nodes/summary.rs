@@ -121,6 +121,7 @@ mod tests {
                     ..Observed::default()
                 },
                 500.0,
+                false,
             )
         };
         let r = Report::new(

@@ -143,19 +143,21 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
     o.claim_violations = claims.split_off(w.claims_seen.min(now));
     w.claims_seen = now;
     drop(keys);
-    repair(w, kind, holder)?;
+    let lost = o.new_holder.is_some() || o.holder_left_active || o.engine_dead_us.is_some();
+    repair(w, kind, holder, kind.fails_over() || lost)?;
     Ok(judge(
         round,
         kind,
         holder,
         o,
         w.cfg.kill_time.as_secs_f64() * 1e3,
+        w.leader_change_fences,
     ))
 }
 
 /// Undo the failure: etcd member back, node healed, lockd running, the fenced side (if it
 /// left) replaced by a shadow (not waited for: the next trial's steady state waits).
-fn repair(w: &mut World, kind: Chaos, holder: usize) -> Result<()> {
+fn repair(w: &mut World, kind: Chaos, holder: usize, holder_fenced: bool) -> Result<()> {
     match kind {
         Chaos::Partition => w.net.heal(holder)?,
         Chaos::LockdKill => w.start_lockd(holder)?,
@@ -168,7 +170,7 @@ fn repair(w: &mut World, kind: Chaos, holder: usize) -> Result<()> {
         Chaos::LeaderKill | Chaos::MemberPause => {}
         Chaos::EngineKill | Chaos::SupervisorKill => {}
     }
-    if kind.fails_over() {
+    if holder_fenced {
         // The fenced supervisor exits (`--restart never`); one still running 10 s on is torn
         // down (its trial already says whether it fenced in time).
         if let Some(s) = w.nodes[holder].side.as_mut() {
@@ -201,13 +203,21 @@ fn watch_quiet(w: &World, holder: usize, limit: Duration, o: &mut Observed) {
             o.holder_left_active = true;
         }
         for i in (0..w.nodes.len()).filter(|i| *i != holder) {
-            let moved = w.nodes[i]
-                .side
-                .as_ref()
-                .and_then(|s| s.phase())
-                .is_some_and(|p| matches!(p, Phase::Waking | Phase::Active));
-            if moved && o.granted_us.is_none() {
-                o.granted_us = Some(now_us());
+            if o.granted_us.is_some() {
+                break;
+            }
+            // The time of its own transition out of Standby, as in a failover (a poll's time
+            // would be up to 50 ms late).
+            let at = w.nodes[i].side.as_ref().and_then(|s| {
+                s.state()?
+                    .transitions
+                    .iter()
+                    .filter(|t| matches!(t.to, Phase::Waking | Phase::Active))
+                    .filter_map(|t| u64::try_from(t.at_unix_us).ok())
+                    .find(|at| *at >= o.injected_us)
+            });
+            if let Some(at) = at {
+                o.granted_us = Some(at);
                 o.new_holder = Some(i);
             }
         }

@@ -15,6 +15,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use harness::etcd::Etcd;
 use harness::netns::{Net, NetnsError};
 use harness::proc::Proc;
+use lockd::etcd::LeaderChange;
 use nix::sys::signal::Signal;
 use probes::{Phase, StateDoc};
 use procfs::Pinned;
@@ -43,6 +44,8 @@ pub struct Config {
     pub lockd_env: Vec<(String, String)>,
     /// etcd `--election-timeout` (its `--heartbeat-interval` is a tenth of it).
     pub election: Duration,
+    /// lockd `--etcd-leader-change`.
+    pub leader_change: LeaderChange,
     /// Keep the directory (logs) after the run.
     pub keep_dir: bool,
 }
@@ -180,6 +183,9 @@ pub struct World {
     pub claim: PathBuf,
     /// Lines of its violations file already reported.
     pub claims_seen: usize,
+    /// lockd fences its holders at an etcd leader change (`--etcd-leader-change` resolved
+    /// against this etcd's version): the etcd kinds may then fail over, safely.
+    pub leader_change_fences: bool,
     dir: Option<tempfile::TempDir>,
 }
 
@@ -211,7 +217,12 @@ impl World {
         let etcd = Etcd::start_cluster_on(dir.path(), 3, net.host_addr, &tuning)
             .ok_or_else(|| anyhow!("etcd vanished"))?;
         let claim = dir.path().join("gpu.claim");
+        // What lockd's `auto` resolves to on this etcd (lockd reads the same version from
+        // etcd's Status at start).
+        let etcd_version = harness::etcd::version().unwrap_or_default();
+        let leader_change_fences = cfg.leader_change.fences(&etcd_version);
         let mut w = World {
+            leader_change_fences,
             nodes: Vec::new(),
             etcd,
             net,
@@ -271,7 +282,8 @@ impl World {
             .arg(fmt(self.cfg.kill_time))
             .arg("--etcd-pause")
             .arg(fmt(self.cfg.pause))
-            .args(["--etcd-drift-ppm", &self.cfg.drift_ppm.to_string()]);
+            .args(["--etcd-drift-ppm", &self.cfg.drift_ppm.to_string()])
+            .args(["--etcd-leader-change", self.cfg.leader_change.as_str()]);
         for (k, _) in std::env::vars() {
             if k.starts_with("LOCKD_") {
                 c.env_remove(k);

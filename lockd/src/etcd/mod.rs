@@ -18,6 +18,7 @@
 //! client reports the lease lost and its holder fences).
 
 pub mod fence;
+pub mod leader_change;
 pub mod mutex;
 pub mod server;
 
@@ -25,6 +26,7 @@ use std::time::Duration;
 
 use crate::Endpoint;
 pub use fence::Margin;
+pub use leader_change::LeaderChange;
 
 /// Settings of `lockd serve --backend etcd`.
 #[derive(Debug, Clone)]
@@ -53,6 +55,8 @@ pub struct EtcdConfig {
     pub op_timeout: Duration,
     /// This lockd's name in the lock keys' values (`holder@node`).
     pub node: String,
+    /// What a session's fence does at an etcd leader change (`--etcd-leader-change`).
+    pub leader_change: LeaderChange,
 }
 
 /// Why `lockd serve --backend etcd` could not start or had to stop.

@@ -21,6 +21,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, error, info, warn};
 
 use super::fence::{Fence, FenceInput, FenceOutput, LostCause};
+use super::leader_change::stale_leader_revokes;
 use super::mutex::{self, EtcdError, FencedPut, Standing};
 use super::{EtcdConfig, EtcdServeError};
 use crate::anchor::{self, MAX_PENDING_FDS};
@@ -55,15 +56,6 @@ fn hello_features() -> Vec<String> {
         .map(|f| f.to_string())
         .collect()
 }
-/// Opt-in `LOCKD_ETCD_FREEZE_ON_LEADER_CHANGE=1`: a session's fence stops crediting keepalive
-/// answers once one comes from a newer etcd raft term ([`Fence::freeze_on_term_change`]): safe
-/// against etcd < 3.4.31's stale-leader revoke (etcd-io/etcd#15247), at the cost of a fence at
-/// every etcd leader change.
-fn freeze_on_leader_change() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LOCKD_ETCD_FREEZE_ON_LEADER_CHANGE").is_ok_and(|v| v == "1"))
-}
-
 /// Events waiting for a client that does not read before it is disconnected.
 const OUTBOUND_QUEUE: usize = 1024;
 /// Lock keys `status` reads at most.
@@ -136,24 +128,6 @@ fn error_line(code: &str, message: impl Into<String>, resource: Option<&str>) ->
     .encode()
 }
 
-/// Whether an etcd server of `version` (`3.4.23`) lets a leader that was stalled (SIGSTOP, a
-/// stuck disk) revoke, when it resumes, the leases it saw no renewal of: its lessor proposes
-/// the revocations before it is demoted and raft forwards them to the new leader, which
-/// commits them (etcd-io/etcd#15247). Fixed in 3.4.31 and 3.5.13 (and 3.6). None: not a
-/// version.
-fn stale_leader_revokes(version: &str) -> Option<bool> {
-    let mut parts = version.trim().split(['.', '-', '+']);
-    let mut num = || parts.next()?.parse::<u64>().ok();
-    let (major, minor, patch) = (num()?, num()?, num()?);
-    Some(match (major, minor) {
-        (0..=2, _) => true,
-        (3, 0..=3) => true,
-        (3, 4) => patch < 31,
-        (3, 5) => patch < 13,
-        _ => false,
-    })
-}
-
 /// What the registry knows of one session.
 struct SessionInfo {
     peer: PeerInfo,
@@ -197,6 +171,9 @@ impl Registry {
 
 struct Ctx {
     cfg: EtcdConfig,
+    /// `--etcd-leader-change` resolved against etcd's version: a session's fence stops
+    /// crediting renewals at a raft term change ([`Fence::freeze_on_term_change`]).
+    freeze_on_term_change: bool,
     client: Client,
     reg: Mutex<Registry>,
     /// etcd leases granted and not yet revoked (revoked at shutdown).
@@ -338,17 +315,27 @@ impl EtcdServer {
         if cfg.planted_bug_no_margin {
             warn!("PLANTED BUG: the self-fence ignores its margin (holders are told only at the lease's expiry)");
         }
+        let freeze = cfg.leader_change.fences(&etcd_version);
         match stale_leader_revokes(&etcd_version) {
-            Some(true) => warn!(etcd_version = %etcd_version,
+            Some(true) if freeze => {
+                warn!(etcd_version = %etcd_version, leader_change = cfg.leader_change.as_str(),
                 "this etcd lets a stalled former leader revoke live leases when it resumes \
-                 (etcd-io/etcd#15247, fixed in 3.4.31 and 3.5.13): a lock can then go while its \
-                 holder lives, which lockd's self-fence cannot cover (docs/ETCD.md)"),
+                 (etcd-io/etcd#15247, fixed in 3.4.31 and 3.5.13): every etcd leader change \
+                 fences the holders at their old term's deadline (safe; a failover per leader \
+                 change). Upgrade etcd to keep leases across leader changes (docs/ETCD.md)")
+            }
+            Some(true) => {
+                warn!(etcd_version = %etcd_version, leader_change = cfg.leader_change.as_str(),
+                "this etcd lets a stalled former leader revoke live leases when it resumes \
+                 (etcd-io/etcd#15247, fixed in 3.4.31 and 3.5.13) and --etcd-leader-change trust \
+                 keeps crediting renewals across leader changes: a lock can then go while its \
+                 holder lives (docs/ETCD.md)")
+            }
             Some(false) => {}
             None => warn!(etcd_version = %etcd_version, "cannot read etcd's version"),
         }
-        if freeze_on_leader_change() {
-            info!("LOCKD_ETCD_FREEZE_ON_LEADER_CHANGE=1: a session's lease is fenced at its last deadline of the old term after any etcd leader change");
-        }
+        info!(etcd_version = %etcd_version, leader_change = cfg.leader_change.as_str(),
+            fence_on_leader_change = freeze, "etcd leader changes");
         if !hello_features()
             .iter()
             .any(|f| f == crate::client::FEATURE_NO_RECLAIM)
@@ -358,6 +345,7 @@ impl EtcdServer {
         Ok(EtcdServer {
             ctx: Arc::new(Ctx {
                 cfg,
+                freeze_on_term_change: freeze,
                 client,
                 reg: Mutex::new(Registry::default()),
                 live: Mutex::new(std::collections::BTreeSet::new()),
@@ -1649,7 +1637,7 @@ async fn keep_alive(
     if ctx.cfg.planted_bug_no_margin {
         fence = fence.planted_bug_no_margin();
     }
-    if freeze_on_leader_change() {
+    if ctx.freeze_on_term_change {
         fence = fence.freeze_on_term_change();
     }
     let ttl = Duration::from_secs(u64::try_from(ttl_secs.max(1)).unwrap_or(1));
@@ -1822,27 +1810,6 @@ async fn keep_alive(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn etcd_versions_with_the_stale_leader_revoke_are_recognised() {
-        for v in ["3.4.23", "3.4.30", "3.5.0", "3.5.12", "3.3.27", "2.3.8"] {
-            assert_eq!(stale_leader_revokes(v), Some(true), "{v}");
-        }
-        for v in [
-            "3.4.31",
-            "3.4.39",
-            "3.5.13",
-            "3.5.21",
-            "3.6.0",
-            "3.6.4-rc.0",
-            "4.0.0",
-        ] {
-            assert_eq!(stale_leader_revokes(v), Some(false), "{v}");
-        }
-        for v in ["", "3.4", "x.y.z", "3.4.x"] {
-            assert_eq!(stale_leader_revokes(v), None, "{v:?}");
-        }
-    }
 
     #[test]
     fn put_fenced_lines_are_recognised_and_checked() {

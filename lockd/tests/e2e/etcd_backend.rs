@@ -697,11 +697,31 @@ fn arrival_or_timeout(
     rx
 }
 
-/// Three etcd members; the leader is SIGKILLed while A's holder holds the lock and B waits:
-/// the holder is never told `lost` (the lease survives the election), B is not granted while
-/// A's holder holds; once A's holder lets go, B is granted with a higher epoch.
+/// Three etcd members; the leader is SIGKILLed while A's holder holds the lock and B waits,
+/// with `--etcd-leader-change trust`: the holder is never told `lost` (the lease survives the
+/// election), B is not granted while A's holder holds; once A's holder lets go, B is granted
+/// with a higher epoch.
 #[test]
 fn etcd_leader_killed_while_a_lease_is_held() {
+    leader_killed(LeaderChangeMode::Trust);
+}
+
+/// The same with `--etcd-leader-change fence` (what `auto` picks on an etcd with the
+/// stale-leader revoke, etcd-io/etcd#15247, such as Debian's 3.4.23): the lease is given up,
+/// safely — the holder is told `lost` at its old term's deadline, and B is granted only after
+/// the holder's kill budget has passed.
+#[test]
+fn etcd_leader_killed_with_fence_on_leader_change_fences_before_any_grant() {
+    leader_killed(LeaderChangeMode::Fence);
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum LeaderChangeMode {
+    Trust,
+    Fence,
+}
+
+fn leader_killed(mode: LeaderChangeMode) {
     let _process = serial();
     let d = tempfile::tempdir().unwrap();
     let Some(mut members) = Etcd::start_cluster(d.path(), 3) else {
@@ -713,8 +733,13 @@ fn etcd_leader_killed_while_a_lease_is_held() {
     };
     let urls: Vec<String> = members.iter().map(|m| m.client_url.clone()).collect();
     let urls = urls.join(",");
-    let a = start(d.path(), "A", &urls, &["--etcd-ttl", "5s"], &[]);
-    let b = start(d.path(), "B", &urls, &["--etcd-ttl", "5s"], &[]);
+    let flag = match mode {
+        LeaderChangeMode::Trust => "trust",
+        LeaderChangeMode::Fence => "fence",
+    };
+    let flags = ["--etcd-ttl", "5s", "--etcd-leader-change", flag];
+    let a = start(d.path(), "A", &urls, &flags, &[]);
+    let b = start(d.path(), "B", &urls, &flags, &[]);
     let mut holder = Line::connect(&a.sock).unwrap();
     holder.acquire("engine", "ha");
     let ea = holder
@@ -738,6 +763,46 @@ fn etcd_leader_killed_while_a_lease_is_held() {
     let t_kill = Instant::now();
     members[leader].kill();
     let (t_holder_done, revoked) = told.recv_timeout(window + Duration::from_secs(5)).unwrap();
+    if mode == LeaderChangeMode::Fence {
+        let r = revoked.unwrap_or_else(|| {
+            panic!(
+                "fence on leader change: A's holder was not told within {window:?} of the leader's kill\nA: {}",
+                a.proc.log_text()
+            )
+        });
+        let reason = r["reason"].as_str().unwrap_or_default().to_string();
+        assert!(reason.starts_with("lost"), "told {r}");
+        // TTL 5 s, margin 650 ms: told at most 4.35 s after the last acknowledged send.
+        assert!(
+            t_holder_done - t_kill < Duration::from_millis(4_500),
+            "told {:?} after the kill",
+            t_holder_done - t_kill
+        );
+        // B's waiting session was fenced too (its lease was renewed in the old term): B's
+        // waiter gets `unavailable` and the supervisor would acquire again; so does this test.
+        drop(granted);
+        let mut again = Line::connect(&b.sock).unwrap();
+        again.acquire("engine", "hb");
+        let g = again
+            .recv_until("granted", Duration::from_secs(20))
+            .unwrap_or_else(|| panic!("B not granted\nB: {}", b.proc.log_text()));
+        let t_granted = Instant::now();
+        // The holder had its kill budget (500 ms by default) before anyone could be granted.
+        let margin = t_granted.saturating_duration_since(t_holder_done);
+        assert!(
+            t_granted > t_holder_done && margin >= Duration::from_millis(500),
+            "B granted {margin:?} after A's holder was told (kill budget 500 ms)\nA: {}",
+            a.proc.log_text()
+        );
+        let eb = g["epoch"].as_u64().unwrap();
+        assert!(eb > ea, "epoch {eb} not above {ea}");
+        eprintln!(
+            "leader killed, fence on leader change: holder told {:.0} ms after the kill ({reason}); B granted {:.0} ms after that (epoch {ea} -> {eb})",
+            (t_holder_done - t_kill).as_secs_f64() * 1e3,
+            margin.as_secs_f64() * 1e3
+        );
+        return;
+    }
     assert!(
         revoked.is_none(),
         "A's holder was told {revoked:?} {:?} after the leader's kill\nA: {}",
