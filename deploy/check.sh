@@ -178,7 +178,9 @@ for bad in timeouts.modelLoadTimeout=2hours timeout.waking=1s engine.adapter=tgi
   fi
 done
 for bad in interPod.etcd.endpoints=null interPod.etcd.ttl=1s interPod.shadows=0 \
-           interPod.lockWatchdog=soon interPod.etcd.endpoints[0]=etcd:2379; do
+           interPod.lockWatchdog=soon interPod.etcd.endpoints[0]=etcd:2379 \
+           interPod.etcd.endpoints[0]=http://etcd-0.etcd:2379 interPod.etcd.tlsSecret= \
+           interPod.etcd.tlsSecret=Bad_Name interPod.etcd.leaderChange=maybe; do
   if render "$CHART/values-vllm.yaml" -f "$CHART/values-interpod.yaml" --set "$bad" > /dev/null 2>&1; then
     echo "FAIL: the chart accepted --set $bad in the inter-pod mode" >&2
     exit 1

@@ -85,6 +85,27 @@ def check(docs):
             fail(f"{name}: lockd on etcd with the file backend's --state")
         if flag(lc, "--etcd-node") != "$(POD_NAME)" or "POD_NAME" not in env_names(lockd[0]):
             fail(f"{name}: lockd's --etcd-node is not the pod's name")
+        if flag(lc, "--etcd-leader-change") not in ("auto", "trust", "fence"):
+            fail(f"{name}: lockd's --etcd-leader-change is {flag(lc, '--etcd-leader-change')!r}")
+        # TLS: https:// endpoints exactly when the CA, certificate and key are passed, each a
+        # file of a Secret volume mounted read-only into the lockd container.
+        eps = (flag(lc, "--etcd-endpoints") or "").split(",")
+        tls_flags = [flag(lc, f) for f in ("--etcd-ca", "--etcd-cert", "--etcd-key")]
+        if any(e.startswith("https://") for e in eps):
+            if not all(e.startswith("https://") for e in eps):
+                fail(f"{name}: http:// and https:// endpoints mixed: {eps}")
+            if None in tls_flags:
+                fail(f"{name}: https:// endpoints without --etcd-ca/--etcd-cert/--etcd-key")
+            mounts = {m["mountPath"]: m for m in lockd[0].get("volumeMounts", [])}
+            vols = {v["name"]: v for v in pod.get("volumes", [])}
+            for path in tls_flags:
+                m = mounts.get(path.rsplit("/", 1)[0])
+                if m is None or not m.get("readOnly"):
+                    fail(f"{name}: {path} not on a read-only mount of the lockd container")
+                if "secret" not in vols.get(m["name"], {}):
+                    fail(f"{name}: {path} not from a Secret volume")
+        elif any(f is not None for f in tls_flags):
+            fail(f"{name}: TLS flags with http:// endpoints: {eps}")
         ttl = dur_ms(flag(lc, "--etcd-ttl"))
         kill = dur_ms(flag(lc, "--etcd-kill-time"))
         margin = ttl // 100 + 100 + kill
@@ -148,6 +169,28 @@ def main():
                 print(f"caught: a 10s --lock-watchdog -> mutant: {e}")
             else:
                 print("FAIL: self-test: the checker accepted --lock-watchdog 10s", file=sys.stderr)
+                sys.exit(1)
+            # ... and https:// endpoints whose client key is missing.
+            with open(p) as f:
+                docs = [d for d in yaml.safe_load_all(f) if d]
+            mutated = False
+            for d in docs:
+                if d.get("kind") == "Deployment":
+                    for c in d["spec"]["template"]["spec"]["initContainers"]:
+                        cmd = c.get("command", [])
+                        if "--etcd-key" in cmd:
+                            i = cmd.index("--etcd-key")
+                            del cmd[i : i + 2]
+                            mutated = True
+            if not mutated:
+                print("FAIL: self-test: no --etcd-key to remove (is TLS rendered?)", file=sys.stderr)
+                sys.exit(1)
+            try:
+                check(docs)
+            except Bad as e:
+                print(f"caught: https:// without --etcd-key -> mutant: {e}")
+            else:
+                print("FAIL: self-test: the checker accepted https:// without a client key", file=sys.stderr)
                 sys.exit(1)
 
 

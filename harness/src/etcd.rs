@@ -67,6 +67,105 @@ pub struct Etcd {
     pub client_url: String,
     /// Client port.
     pub client_port: u16,
+    /// Where `/health` answers over plain HTTP (the client URL, or for a TLS etcd its
+    /// `--listen-metrics-urls`).
+    health_url: String,
+}
+
+/// A throw-away PKI made with `openssl` for a TLS etcd on 127.0.0.1: a CA, etcd's serving
+/// certificate (IP SAN 127.0.0.1), a client certificate (CN `lockd`) signed by the same CA,
+/// and a second CA that signed nothing (for the "wrong CA" case). ECDSA P-256, valid 1 day.
+pub struct TestPki {
+    /// The CA's certificate.
+    pub ca: PathBuf,
+    /// etcd's serving certificate and key.
+    pub server_cert: PathBuf,
+    /// etcd's serving key.
+    pub server_key: PathBuf,
+    /// The client certificate.
+    pub client_cert: PathBuf,
+    /// The client key.
+    pub client_key: PathBuf,
+    /// A CA that did not sign etcd's certificate.
+    pub other_ca: PathBuf,
+}
+
+impl TestPki {
+    /// Makes the files under `dir`. Err (with the reason) when `openssl` is missing or fails.
+    pub fn make(dir: &Path) -> Result<TestPki, String> {
+        let openssl =
+            find_on_path("openssl").ok_or("no openssl binary (apt-get install openssl)")?;
+        let run = |args: &[&str]| -> Result<(), String> {
+            let out = Command::new(&openssl)
+                .args(args)
+                .current_dir(dir)
+                .output()
+                .map_err(|e| format!("openssl: {e}"))?;
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "openssl {}: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&out.stderr)
+                ))
+            }
+        };
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        for ca in ["ca", "other-ca"] {
+            let (key, crt, subj) = (
+                format!("{ca}.key"),
+                format!("{ca}.crt"),
+                format!("/CN=test {ca}"),
+            );
+            let mut a = vec![
+                "req", "-x509", "-days", "1", "-subj", &subj, "-keyout", &key, "-out", &crt,
+            ];
+            a.extend(ec);
+            a.extend([
+                "-addext",
+                "basicConstraints=critical,CA:TRUE",
+                "-addext",
+                "keyUsage=critical,keyCertSign,cRLSign",
+            ]);
+            run(&a)?;
+        }
+        for (name, cn, ext) in [
+            ("server", "etcd", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\nkeyUsage=critical,digitalSignature"),
+            ("client", "lockd", "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature"),
+        ] {
+            let (key, csr, crt, extf) = (
+                format!("{name}.key"),
+                format!("{name}.csr"),
+                format!("{name}.crt"),
+                format!("{name}.ext"),
+            );
+            std::fs::write(dir.join(&extf), ext)
+                .map_err(|e| format!("{extf}: {e}"))?;
+            let subj = format!("/CN={cn}");
+            let mut a = vec!["req", "-subj", &subj, "-keyout", &key, "-out", &csr];
+            a.extend(ec);
+            run(&a)?;
+            run(&[
+                "x509", "-req", "-in", &csr, "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                "-days", "1", "-out", &crt, "-extfile", &extf,
+            ])?;
+        }
+        Ok(TestPki {
+            ca: dir.join("ca.crt"),
+            server_cert: dir.join("server.crt"),
+            server_key: dir.join("server.key"),
+            client_cert: dir.join("client.crt"),
+            client_key: dir.join("client.key"),
+            other_ca: dir.join("other-ca.crt"),
+        })
+    }
 }
 
 impl Etcd {
@@ -135,6 +234,7 @@ impl Etcd {
             members.push(Etcd {
                 proc,
                 cmd: (bin.clone(), args),
+                health_url: client_url.clone(),
                 client_url,
                 client_port: *client_port,
             });
@@ -161,10 +261,75 @@ impl Etcd {
         Some(members)
     }
 
+    /// One etcd member serving clients over TLS only (`https://127.0.0.1:PORT`, its serving
+    /// certificate from `pki`), requiring a client certificate signed by `pki`'s CA
+    /// (`--client-cert-auth`); `/health` on a plain-HTTP metrics port. Waits (20 s) until
+    /// healthy. None without an etcd binary; panics if it does not come up.
+    pub fn start_tls(dir: &Path, pki: &TestPki) -> Option<Etcd> {
+        let bin = binary()?;
+        let (client_port, peer_port, metrics_port) = (
+            crate::net::free_port(),
+            crate::net::free_port(),
+            crate::net::free_port(),
+        );
+        let client_url = format!("https://127.0.0.1:{client_port}");
+        let peer_url = format!("http://127.0.0.1:{peer_port}");
+        let health_url = format!("http://127.0.0.1:{metrics_port}");
+        let mut cmd = Command::new(&bin);
+        cmd.args(["--name", "tls0", "--data-dir"])
+            .arg(dir.join("etcd-tls"))
+            .args([
+                "--listen-client-urls",
+                &client_url,
+                "--advertise-client-urls",
+                &client_url,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer_url,
+                "--initial-advertise-peer-urls",
+                &peer_url,
+            ])
+            .args(["--initial-cluster", &format!("tls0={peer_url}")])
+            .args(["--listen-metrics-urls", &health_url, "--log-level", "warn"])
+            .arg("--cert-file")
+            .arg(&pki.server_cert)
+            .arg("--key-file")
+            .arg(&pki.server_key)
+            .arg("--trusted-ca-file")
+            .arg(&pki.ca)
+            .arg("--client-cert-auth");
+        cmd.env("ETCD_UNSUPPORTED_ARCH", go_arch());
+        let args = cmd.get_args().map(|a| a.to_os_string()).collect();
+        let proc = Proc::spawn("etcd-tls", cmd, dir.join("etcd-tls.log"));
+        let mut e = Etcd {
+            proc,
+            cmd: (bin, args),
+            client_url,
+            client_port,
+            health_url,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !e.healthy() {
+            assert!(
+                !e.proc.exited(),
+                "etcd (TLS) exited at start: {}",
+                e.proc.log_text()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "etcd (TLS) not healthy within 20 s: {}",
+                e.proc.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(e)
+    }
+
     /// `/health` answers `"health":"true"` (the member has a leader).
     pub fn healthy(&self) -> bool {
         crate::http::get(
-            &format!("{}/health", self.client_url),
+            &format!("{}/health", self.health_url),
             Duration::from_millis(500),
         )
         .is_some_and(|r| r.body.contains("\"health\":\"true\""))

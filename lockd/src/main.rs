@@ -274,6 +274,16 @@ struct EtcdArgs {
     /// term's deadline, `auto` (default) fences on such an etcd and trusts a fixed one.
     #[arg(long, env = "LOCKD_ETCD_LEADER_CHANGE", default_value = "auto")]
     etcd_leader_change: lockd::etcd::LeaderChange,
+    /// TLS to etcd: the CA (PEM) of etcd's serving certificate; the endpoints are then
+    /// https://.
+    #[arg(long, env = "LOCKD_ETCD_CA")]
+    etcd_ca: Option<PathBuf>,
+    /// TLS to etcd: this lockd's client certificate (PEM), for etcd's --client-cert-auth.
+    #[arg(long, env = "LOCKD_ETCD_CERT", requires_all = ["etcd_key", "etcd_ca"])]
+    etcd_cert: Option<PathBuf>,
+    /// TLS to etcd: the client certificate's private key (PEM).
+    #[arg(long, env = "LOCKD_ETCD_KEY", requires = "etcd_cert")]
+    etcd_key: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -717,6 +727,28 @@ async fn serve_etcd(a: ServeArgs, shutdown: impl std::future::Future<Output = ()
         );
     }
     let e = a.etcd;
+    let read = |what: &str, p: &PathBuf| {
+        std::fs::read(p).map_err(|err| format!("{what} {}: {err}", p.display()))
+    };
+    let tls: Result<Option<lockd::etcd::EtcdTls>, String> =
+        match (&e.etcd_ca, &e.etcd_cert, &e.etcd_key) {
+            (None, _, _) => Ok(None),
+            (Some(ca), cert, key) => (|| {
+                let ca_pem = read("--etcd-ca", ca)?;
+                let identity = match (cert, key) {
+                    (Some(c), Some(k)) => Some((read("--etcd-cert", c)?, read("--etcd-key", k)?)),
+                    _ => None,
+                };
+                Ok(Some(lockd::etcd::EtcdTls { ca_pem, identity }))
+            })(),
+        };
+    let tls = match tls {
+        Ok(t) => t,
+        Err(msg) => {
+            eprintln!("lockd: {msg}");
+            return ExitCode::from(EXIT_ERROR);
+        }
+    };
     let node = e.etcd_node.unwrap_or_else(|| {
         std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())
@@ -740,6 +772,7 @@ async fn serve_etcd(a: ServeArgs, shutdown: impl std::future::Future<Output = ()
         op_timeout: e.etcd_op_timeout,
         node,
         leader_change: e.etcd_leader_change,
+        tls,
     };
     let server = match EtcdServer::bind(cfg).await {
         Ok(s) => s,

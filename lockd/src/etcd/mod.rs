@@ -28,6 +28,33 @@ use crate::Endpoint;
 pub use fence::Margin;
 pub use leader_change::LeaderChange;
 
+#[cfg(test)]
+mod tls_tests {
+    use super::check_endpoints;
+
+    #[test]
+    fn endpoints_must_all_match_the_tls_setting() {
+        let v = |s: &[&str]| s.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        assert!(check_endpoints(&v(&["http://a:1", "http://b:2"]), false).is_ok());
+        assert!(check_endpoints(&v(&["https://a:1", "https://b:2"]), true).is_ok());
+        let e = check_endpoints(&v(&["https://a:1"]), false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("needs --etcd-ca"), "{e}");
+        let e = check_endpoints(&v(&["https://a:1", "http://b:2"]), true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("http://b:2") && e.contains("must be https"),
+            "{e}"
+        );
+        let e = check_endpoints(&v(&["a:1"]), false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("expected http://"), "{e}");
+    }
+}
+
 /// Settings of `lockd serve --backend etcd`.
 #[derive(Debug, Clone)]
 pub struct EtcdConfig {
@@ -57,6 +84,53 @@ pub struct EtcdConfig {
     pub node: String,
     /// What a session's fence does at an etcd leader change (`--etcd-leader-change`).
     pub leader_change: LeaderChange,
+    /// TLS to etcd (`https://` endpoints): None for `http://`.
+    pub tls: Option<EtcdTls>,
+}
+
+/// TLS to etcd: the CA that signed etcd's serving certificate and, for etcd's
+/// `--client-cert-auth`, this lockd's client certificate and key (all PEM).
+#[derive(Clone)]
+pub struct EtcdTls {
+    /// `--etcd-ca`.
+    pub ca_pem: Vec<u8>,
+    /// `--etcd-cert` and `--etcd-key`.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.debug_struct("EtcdTls")
+            .field("ca_pem_bytes", &self.ca_pem.len())
+            .field("client_certificate", &self.identity.is_some())
+            .finish()
+    }
+}
+
+/// Whether the endpoints and the TLS settings agree: every endpoint `https://` with TLS, every
+/// one `http://` without (a mix would send the lock traffic of some members in clear).
+pub fn check_endpoints(endpoints: &[String], tls: bool) -> Result<(), EtcdServeError> {
+    for e in endpoints {
+        let ok = if tls {
+            e.starts_with("https://")
+        } else {
+            e.starts_with("http://")
+        };
+        if !ok {
+            return Err(EtcdServeError::Endpoint {
+                endpoint: e.clone(),
+                why: if tls {
+                    "--etcd-ca is set: every endpoint must be https://".into()
+                } else if e.starts_with("https://") {
+                    "an https:// endpoint needs --etcd-ca (the CA of etcd's certificate)".into()
+                } else {
+                    "expected http://HOST:PORT (or https:// with --etcd-ca)".into()
+                },
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Why `lockd serve --backend etcd` could not start or had to stop.
@@ -68,6 +142,14 @@ pub enum EtcdServeError {
     /// No etcd endpoint was given.
     #[error("--backend etcd needs --etcd-endpoints")]
     NoEndpoints,
+    /// An endpoint that does not fit the TLS settings.
+    #[error("--etcd-endpoints {endpoint}: {why}")]
+    Endpoint {
+        /// The endpoint.
+        endpoint: String,
+        /// What is wrong with it.
+        why: String,
+    },
     /// The margin leaves no time to renew in.
     #[error("the self-fence margin {margin:?} is not below the etcd lease TTL {ttl:?}")]
     MarginTooLarge {
@@ -77,12 +159,14 @@ pub enum EtcdServeError {
         ttl: Duration,
     },
     /// etcd could not be reached at startup.
-    #[error("cannot reach etcd at {endpoints}: {source}")]
+    #[error("cannot reach etcd at {endpoints}: {source}{hint}")]
     Connect {
         /// The endpoints tried.
         endpoints: String,
         /// Why.
         source: mutex::EtcdError,
+        /// What to check (empty, or starting with "; ").
+        hint: &'static str,
     },
     /// A listener could not be bound.
     #[error("cannot listen on {endpoint}: {source}")]

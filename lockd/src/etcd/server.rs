@@ -271,12 +271,31 @@ impl EtcdServer {
                 ttl: cfg.ttl,
             });
         }
+        super::check_endpoints(&cfg.endpoints, cfg.tls.is_some())?;
+        // A TLS handshake that etcd's --client-cert-auth rejects only shows as a closed
+        // connection on this side.
+        let hint = match &cfg.tls {
+            Some(t) if t.identity.is_none() => {
+                "; if etcd runs with --client-cert-auth, give lockd --etcd-cert and --etcd-key"
+            }
+            _ => "",
+        };
         let endpoints = cfg.endpoints.join(",");
-        let opts = ConnectOptions::new()
+        let mut opts = ConnectOptions::new()
             .with_connect_timeout(cfg.op_timeout)
             .with_keep_alive(Duration::from_secs(1), cfg.op_timeout)
             // A member cut off from its cluster answers nothing rather than stale data.
             .with_require_leader(true);
+        if let Some(tls) = &cfg.tls {
+            // etcd-client's TlsOptions is tonic's ClientTlsConfig (rustls): the server's
+            // certificate must chain to this CA and name the endpoint's host (DNS or IP SAN).
+            let mut t = etcd_client::TlsOptions::new()
+                .ca_certificate(etcd_client::Certificate::from_pem(&tls.ca_pem));
+            if let Some((cert, key)) = &tls.identity {
+                t = t.identity(etcd_client::Identity::from_pem(cert, key));
+            }
+            opts = opts.with_tls(t);
+        }
         let mut client = mutex::bounded(
             cfg.op_timeout,
             Client::connect(cfg.endpoints.clone(), Some(opts)),
@@ -285,6 +304,7 @@ impl EtcdServer {
         .map_err(|source| EtcdServeError::Connect {
             endpoints: endpoints.clone(),
             source,
+            hint,
         })?;
         // One round trip, so that a wrong endpoint fails here and not at the first acquire.
         let status = mutex::bounded(cfg.op_timeout, client.status())
@@ -292,6 +312,7 @@ impl EtcdServer {
             .map_err(|source| EtcdServeError::Connect {
                 endpoints: endpoints.clone(),
                 source,
+                hint,
             })?;
         let etcd_version = status.version().to_string();
         let mut unix = Vec::new();
@@ -311,6 +332,7 @@ impl EtcdServer {
             }
         }
         info!(endpoints = %endpoints, prefix = %cfg.prefix, ttl = ?cfg.ttl, margin = ?margin,
+            tls = cfg.tls.is_some(), client_certificate = cfg.tls.as_ref().is_some_and(|t| t.identity.is_some()),
             planted_bug_no_margin = cfg.planted_bug_no_margin, "lockd serving with the etcd backend");
         if cfg.planted_bug_no_margin {
             warn!("PLANTED BUG: the self-fence ignores its margin (holders are told only at the lease's expiry)");
