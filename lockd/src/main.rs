@@ -274,6 +274,11 @@ struct EtcdArgs {
     /// term's deadline, `auto` (default) fences on such an etcd and trusts a fixed one.
     #[arg(long, env = "LOCKD_ETCD_LEADER_CHANGE", default_value = "auto")]
     etcd_leader_change: lockd::etcd::LeaderChange,
+    /// A waiter revokes its predecessor's etcd lease once it has provably expired on etcd's
+    /// leader (two "0 s left" answers a second apart in one raft term), instead of waiting up
+    /// to 500 ms for etcd's own expiry check (docs/ETCD.md).
+    #[arg(long, env = "LOCKD_ETCD_ENFORCE_EXPIRY", default_value_t = true, action = clap::ArgAction::Set)]
+    etcd_enforce_expiry: bool,
     /// TLS to etcd: the CA (PEM) of etcd's serving certificate; the endpoints are then
     /// https://.
     #[arg(long, env = "LOCKD_ETCD_CA")]
@@ -773,6 +778,9 @@ async fn serve_etcd(a: ServeArgs, shutdown: impl std::future::Future<Output = ()
         node,
         leader_change: e.etcd_leader_change,
         tls,
+        enforce_expiry: e.etcd_enforce_expiry,
+        planted_bug_expiry_early: std::env::var("LOCKD_PLANTED_BUG_EXPIRY_EARLY")
+            .is_ok_and(|v| v == "1"),
     };
     let server = match EtcdServer::bind(cfg).await {
         Ok(s) => s,

@@ -17,6 +17,7 @@
 //! `reclaim_refused` (a restarted lockd does not adopt the previous one's etcd leases: the
 //! client reports the lease lost and its holder fences).
 
+pub mod expiry;
 pub mod fence;
 pub mod leader_change;
 pub mod mutex;
@@ -86,6 +87,12 @@ pub struct EtcdConfig {
     pub leader_change: LeaderChange,
     /// TLS to etcd (`https://` endpoints): None for `http://`.
     pub tls: Option<EtcdTls>,
+    /// A waiter revokes its predecessor's etcd lease once it has provably expired on etcd's
+    /// leader (`--etcd-enforce-expiry`, [`expiry`]).
+    pub enforce_expiry: bool,
+    /// PLANTED BUG (tests only; `LOCKD_PLANTED_BUG_EXPIRY_EARLY=1`): that revoke comes at
+    /// the first "0 s left", up to a second early.
+    pub planted_bug_expiry_early: bool,
 }
 
 /// TLS to etcd: the CA that signed etcd's serving certificate and, for etcd's

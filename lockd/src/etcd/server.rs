@@ -332,8 +332,11 @@ impl EtcdServer {
             }
         }
         info!(endpoints = %endpoints, prefix = %cfg.prefix, ttl = ?cfg.ttl, margin = ?margin,
-            tls = cfg.tls.is_some(), client_certificate = cfg.tls.as_ref().is_some_and(|t| t.identity.is_some()),
+            enforce_expiry = cfg.enforce_expiry, tls = cfg.tls.is_some(), client_certificate = cfg.tls.as_ref().is_some_and(|t| t.identity.is_some()),
             planted_bug_no_margin = cfg.planted_bug_no_margin, "lockd serving with the etcd backend");
+        if cfg.planted_bug_expiry_early {
+            warn!("PLANTED BUG: a waiter revokes its predecessor's etcd lease at the first \"0 s left\", up to a second before it expires");
+        }
         if cfg.planted_bug_no_margin {
             warn!("PLANTED BUG: the self-fence ignores its margin (holders are told only at the lease's expiry)");
         }
@@ -1561,6 +1564,39 @@ fn spawn_delete(ctx: Arc<Ctx>, key: String) {
     });
 }
 
+/// Waits for the predecessor's key to be deleted ([`mutex::wait_deleted`]) while, with
+/// `--etcd-enforce-expiry`, revoking its etcd lease once that has provably expired on etcd's
+/// leader ([`super::expiry`]): the deletion then follows at once, not at etcd's next 500 ms
+/// expiry check.
+async fn wait_predecessor(
+    ctx: &Arc<Ctx>,
+    client: &mut Client,
+    predecessor: &str,
+) -> Result<bool, EtcdError> {
+    let limit = ctx.cfg.op_timeout;
+    let lease = mutex::parse_lock_key(&ctx.cfg.prefix, predecessor).map(|(_, l)| l);
+    let Some(lease) = lease.filter(|_| ctx.cfg.enforce_expiry) else {
+        return mutex::wait_deleted(client, limit, predecessor).await;
+    };
+    let cfg = super::expiry::EnforceCfg {
+        limit,
+        fine: Duration::from_millis(50),
+        slack: Duration::from_millis(20),
+        planted_early: ctx.cfg.planted_bug_expiry_early,
+    };
+    let enforce = super::expiry::enforce(ctx.client.clone(), cfg, lease, predecessor.to_string());
+    tokio::pin!(enforce);
+    let wait = mutex::wait_deleted(client, limit, predecessor);
+    tokio::pin!(wait);
+    let mut enforcing = true;
+    loop {
+        tokio::select! {
+            r = &mut wait => return r,
+            () = &mut enforce, if enforcing => enforcing = false,
+        }
+    }
+}
+
 /// etcd's mutex recipe for one acquire; never gives up on etcd errors (the session cancels
 /// it, or its fence fires), reports the outcome on `tx`.
 #[allow(clippy::too_many_arguments)]
@@ -1616,7 +1652,7 @@ async fn acquire_task(
                         });
                     }
                     debug!(session, resource = %resource, predecessor = %predecessor, "waiting for the predecessor's deletion");
-                    if mutex::wait_deleted(&mut client, limit, &predecessor).await? {
+                    if wait_predecessor(&ctx, &mut client, &predecessor).await? {
                         Ok(None)
                     } else {
                         // The watch ended without the deletion: look again, after a pause.

@@ -324,9 +324,10 @@ fn partitioned_lockd_fences_its_holder_before_the_other_side_is_granted() {
     for i in 0..trials {
         let (t, _holder, _waiter, _, _) = partition_trial(&a, &b, &proxy, &format!("engine-{i}"));
         eprintln!(
-            "etcd backend partition trial {i}: holder told {:.0} ms after the cut, B granted {:.0} ms after that ({})",
+            "etcd backend partition trial {i}: holder told {:.0} ms after the cut, B granted {:.0} ms after that, {:.0} ms after the cut ({})",
             t.told_after_cut.as_secs_f64() * 1e3,
             t.margin.as_secs_f64() * 1e3,
+            (t.told_after_cut + t.margin).as_secs_f64() * 1e3,
             t.reason
         );
         assert!(t.reason.starts_with("lost:"), "{}", t.reason);
@@ -459,6 +460,47 @@ fn planted_bug_fence_without_margin_is_caught() {
             assert!(
                 t.margin < Duration::from_millis(KILL_MS),
                 "without its margin the fence still left the kill time ({:?}): the check would not catch the bug",
+                t.margin
+            );
+        }
+    }
+    drop(etcd);
+}
+
+/// The planted bug of the waiter's expiry watch (`LOCKD_PLANTED_BUG_EXPIRY_EARLY=1` on B): it
+/// revokes A's etcd lease at the first "0 s left", up to a second before it expires. The
+/// partition check catches it: B is granted before A's holder had its kill time (or before
+/// it was told at all).
+#[test]
+fn planted_bug_expiry_watch_revoking_early_is_caught() {
+    let _process = serial();
+    let d = tempfile::tempdir().unwrap();
+    let Some(etcd) = etcd_or_skip("etcd_backend::planted_bug_expiry_early", d.path()) else {
+        return;
+    };
+    let proxy = Proxy::start(([127, 0, 0, 1], etcd.client_port).into());
+    let a = start(d.path(), "A", &proxy.url(), FENCE_FLAGS, &[]);
+    let b = start(
+        d.path(),
+        "B",
+        &etcd.client_url,
+        FENCE_FLAGS,
+        &[("LOCKD_PLANTED_BUG_EXPIRY_EARLY", "1")],
+    );
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        partition_trial(&a, &b, &proxy, "engine").0
+    }));
+    match outcome {
+        Err(_) => eprintln!("planted bug caught: B granted before A's holder was told"),
+        Ok(t) => {
+            eprintln!(
+                "planted bug: holder told {:.0} ms after the cut, B granted {:.0} ms later",
+                t.told_after_cut.as_secs_f64() * 1e3,
+                t.margin.as_secs_f64() * 1e3
+            );
+            assert!(
+                t.margin < Duration::from_millis(KILL_MS),
+                "the early revoke still left the kill time ({:?}): the check would not catch it",
                 t.margin
             );
         }
