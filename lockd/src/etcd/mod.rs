@@ -20,6 +20,7 @@
 pub mod fence;
 pub mod mutex;
 pub mod server;
+pub mod ttl;
 
 use std::time::Duration;
 
