@@ -25,6 +25,7 @@ mod corrupt_state;
 mod dead_sockets_reaped;
 mod deadlock;
 mod etcd_backend;
+mod etcd_ttl;
 mod group_commit;
 mod hold_child_outlives_hold;
 mod hold_child_outlives_hold_after_restart;
