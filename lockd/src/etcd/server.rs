@@ -1261,7 +1261,8 @@ impl Session {
                             r.epoch = e.create_revision as u64;
                             r.state = LeaseState::Held;
                         } else {
-                            r.waiters.push(super::ttl::display_value(&e.value).to_string());
+                            r.waiters
+                                .push(super::ttl::display_value(&e.value).to_string());
                         }
                     }
                 }

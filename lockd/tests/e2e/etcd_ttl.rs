@@ -104,7 +104,10 @@ impl Expiry {
             ));
         }
         if self.epochs.1 <= self.epochs.0 {
-            return Err(format!("epoch {} not above {}", self.epochs.1, self.epochs.0));
+            return Err(format!(
+                "epoch {} not above {}",
+                self.epochs.1, self.epochs.0
+            ));
         }
         Ok(())
     }
@@ -120,7 +123,10 @@ fn expiry_trial(test: &str, env: &[(&str, &str)], planted: bool) -> Option<Expir
     let mut h1 = Line::connect(&a.sock).unwrap();
     let hello = h1.recv_until("hello", T).unwrap();
     assert!(
-        hello["features"].as_array().unwrap().contains(&json!("ttl")),
+        hello["features"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("ttl")),
         "{hello}"
     );
     let before = unix_ms();
@@ -128,7 +134,11 @@ fn expiry_trial(test: &str, env: &[(&str, &str)], planted: bool) -> Option<Expir
     let g = next(&mut h1, &a, &b, "granted");
     let after = unix_ms();
     assert_eq!(g["event"], "granted", "{g}");
-    assert_eq!((g["kind"].as_str(), g["ttl_ms"].as_u64()), (Some("ttl"), Some(ttl_ms)), "{g}");
+    assert_eq!(
+        (g["kind"].as_str(), g["ttl_ms"].as_u64()),
+        (Some("ttl"), Some(ttl_ms)),
+        "{g}"
+    );
     assert_eq!(g["reclaimed"], false);
     let id = g["lease_id"].as_u64().expect("lease_id");
     let token = g["token"].as_str().unwrap().to_string();
@@ -173,13 +183,22 @@ fn expiry_trial(test: &str, env: &[(&str, &str)], planted: bool) -> Option<Expir
     h2.send(json!({"op":"resume","lease_id":id,"token":token}));
     let rs = next(&mut h2, &a, &b, "resume");
     assert_eq!(
-        (rs["event"].as_str(), rs["reclaimed"].as_bool(), rs["epoch"].as_u64(), rs["lease_id"].as_u64()),
+        (
+            rs["event"].as_str(),
+            rs["reclaimed"].as_bool(),
+            rs["epoch"].as_u64(),
+            rs["lease_id"].as_u64()
+        ),
         (Some("granted"), Some(true), Some(e1), Some(id)),
         "{rs}"
     );
     h2.send(json!({"op":"lease","lease_id":id}));
     let l = next(&mut h2, &a, &b, "lease");
-    assert_eq!((l["state"].as_str(), l["holder"].as_str()), (Some("held"), Some("w1")), "{l}");
+    assert_eq!(
+        (l["state"].as_str(), l["holder"].as_str()),
+        (Some("held"), Some("w1")),
+        "{l}"
+    );
 
     // A waiter on B; then nobody renews.
     let mut w = Line::connect(&b.sock).unwrap();
@@ -192,7 +211,13 @@ fn expiry_trial(test: &str, env: &[(&str, &str)], planted: bool) -> Option<Expir
     });
     let told = h2
         .recv_until("lease_ended", Duration::from_secs(15))
-        .map(|v| (Instant::now(), unix_ms(), v["reason"].as_str().unwrap_or("").to_string()));
+        .map(|v| {
+            (
+                Instant::now(),
+                unix_ms(),
+                v["reason"].as_str().unwrap_or("").to_string(),
+            )
+        });
     let (g_at, g_unix, g2) = waiter.join().unwrap();
     let g2 = g2.unwrap_or_else(|| {
         panic!(
@@ -218,7 +243,11 @@ fn expiry_trial(test: &str, env: &[(&str, &str)], planted: bool) -> Option<Expir
         assert!(e["message"].as_str().unwrap().contains("expired"), "{e}");
         h2.send(json!({"op":"lease","lease_id":id}));
         let l = h2.recv_until("lease", T).unwrap();
-        assert_eq!((l["state"].as_str(), l["reason"].as_str()), (Some("expired"), Some("expired")), "{l}");
+        assert_eq!(
+            (l["state"].as_str(), l["reason"].as_str()),
+            (Some("expired"), Some("expired")),
+            "{l}"
+        );
     }
     drop(etcd);
     Some(Expiry {
@@ -292,27 +321,40 @@ async fn release_and_revoke_by_lease_id_from_any_lockd() {
     assert_eq!(e["code"], "unknown_lease", "{e}");
     o.send(json!({"op":"lease","lease_id":l1}));
     assert_eq!(next(&mut o, &a, &b, "lease")["state"], "held");
-    assert!(w.recv(Duration::from_millis(300)).is_none(), "the waiter moved");
+    assert!(
+        w.recv(Duration::from_millis(300)).is_none(),
+        "the waiter moved"
+    );
 
     // Release from B by lease id + token: B's waiter granted in milliseconds.
     let t0 = Instant::now();
     o.send(json!({"op":"release","lease_id":l1,"token":t1}));
     let r = next(&mut o, &a, &b, "released");
     assert_eq!(
-        (r["event"].as_str(), r["lease_id"].as_u64(), r["epoch"].as_u64()),
+        (
+            r["event"].as_str(),
+            r["lease_id"].as_u64(),
+            r["epoch"].as_u64()
+        ),
         (Some("released"), Some(l1), Some(e1)),
         "{r}"
     );
     let g2 = w.recv_until("granted", T).expect("waiter granted");
     let took = t0.elapsed();
-    eprintln!("etcd ttl: release by lease_id on B -> waiter on B granted in {:.1} ms", took.as_secs_f64() * 1e3);
+    eprintln!(
+        "etcd ttl: release by lease_id on B -> waiter on B granted in {:.1} ms",
+        took.as_secs_f64() * 1e3
+    );
     assert!(took < Duration::from_secs(1), "took {took:?}");
     assert_eq!(g2["lease_id"].as_u64(), Some(l2));
     assert!(g2["epoch"].as_u64().unwrap() > e1, "{g2}");
     assert_eq!(g2["kind"], "ttl");
     let t2 = g2["token"].as_str().unwrap().to_string();
     // The released lease: its holder on A is not told (it asked); ended everywhere.
-    assert!(h.recv(Duration::from_millis(300)).is_none(), "holder told of a release");
+    assert!(
+        h.recv(Duration::from_millis(300)).is_none(),
+        "holder told of a release"
+    );
     o.send(json!({"op":"renew","lease_id":l1,"token":t1}));
     assert_eq!(next(&mut o, &a, &b, "lease_ended")["code"], "lease_ended");
     h.send(json!({"op":"lease","lease_id":l1}));
@@ -324,16 +366,26 @@ async fn release_and_revoke_by_lease_id_from_any_lockd() {
     let ls = h.recv_until("leases", T).unwrap();
     let ls = ls["leases"].as_array().unwrap();
     assert_eq!(ls.len(), 1, "{ls:?}");
-    assert_eq!((ls[0]["lease_id"].as_u64(), ls[0]["state"].as_str()), (Some(l2), Some("held")));
+    assert_eq!(
+        (ls[0]["lease_id"].as_u64(), ls[0]["state"].as_str()),
+        (Some(l2), Some("held"))
+    );
 
     // Revoke by lease id from A of the lease held through B: its holder is told.
     let mut op = Line::connect(&a.sock).unwrap();
     op.send(json!({"op":"revoke","lease_id":l2,"reason":"drain"}));
     let rs = next(&mut op, &a, &b, "revoke_sent");
-    assert_eq!((rs["event"].as_str(), rs["holder"].as_str()), (Some("revoke_sent"), Some("holder-b")), "{rs}");
+    assert_eq!(
+        (rs["event"].as_str(), rs["holder"].as_str()),
+        (Some("revoke_sent"), Some("holder-b")),
+        "{rs}"
+    );
     let le = w.recv_until("lease_ended", T).expect("holder told");
     let reason = le["reason"].as_str().unwrap();
-    assert!(reason.starts_with("revoked:") && reason.ends_with(":drain"), "{le}");
+    assert!(
+        reason.starts_with("revoked:") && reason.ends_with(":drain"),
+        "{le}"
+    );
     assert_eq!(le["lease_id"].as_u64(), Some(l2));
     w.send(json!({"op":"renew","lease_id":l2,"token":t2}));
     let e = w.recv_until("error", T).unwrap();
@@ -351,7 +403,10 @@ async fn release_and_revoke_by_lease_id_from_any_lockd() {
         .await
         .unwrap();
     let kvs = c
-        .get("/lockd/engine/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .get(
+            "/lockd/engine/",
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
         .await
         .unwrap();
     let key = String::from_utf8_lossy(kvs.kvs()[0].key()).into_owned();
@@ -365,14 +420,21 @@ async fn release_and_revoke_by_lease_id_from_any_lockd() {
         op.send(req.clone());
         let e = op.recv_until("error", T).unwrap();
         assert_eq!(e["code"], "wrong_lease", "{req} -> {e}");
-        assert!(e["message"].as_str().unwrap().contains("connection-bound"), "{e}");
+        assert!(
+            e["message"].as_str().unwrap().contains("connection-bound"),
+            "{e}"
+        );
     }
     for req in [
         json!({"op":"renew","lease_id":u64::MAX,"token":"x"}),
         json!({"op":"resume","lease_id":0,"token":"x"}),
     ] {
         op.send(req.clone());
-        assert_eq!(op.recv_until("error", T).unwrap()["code"], "unknown_lease", "{req}");
+        assert_eq!(
+            op.recv_until("error", T).unwrap()["code"],
+            "unknown_lease",
+            "{req}"
+        );
     }
     // The version-1 holder still holds.
     v1.send(json!({"op":"release","resource":"engine"}));
@@ -391,7 +453,11 @@ async fn lease_client_serves_ttl_leases_over_etcd() {
     };
     let ep = |l: &EtcdLockd| -> Endpoint { format!("unix:{}", l.sock.display()).parse().unwrap() };
     let ca = within(LeaseClient::connect(&ep(&a))).await.unwrap();
-    assert!(ca.features().iter().any(|f| f == "ttl"), "{:?}", ca.features());
+    assert!(
+        ca.features().iter().any(|f| f == "ttl"),
+        "{:?}",
+        ca.features()
+    );
     let lease = match within(ca.acquire(&Acquire::ttl("lc", "rust-a", Duration::from_secs(5))))
         .await
         .unwrap()
@@ -411,10 +477,18 @@ async fn lease_client_serves_ttl_leases_over_etcd() {
     let busy = within(cb.acquire(&Acquire::ttl("lc", "rust-b", Duration::from_secs(5)).no_wait()))
         .await
         .unwrap();
-    assert_eq!(busy, Acquired::Busy { holder: Some("rust-a@A".into()) });
+    assert_eq!(
+        busy,
+        Acquired::Busy {
+            holder: Some("rust-a@A".into())
+        }
+    );
     let resumed = within(cb.resume(&lease.saved())).await.unwrap();
     assert!(resumed.resumed);
-    assert_eq!((resumed.lease_id, resumed.epoch), (lease.lease_id, lease.epoch));
+    assert_eq!(
+        (resumed.lease_id, resumed.epoch),
+        (lease.lease_id, lease.epoch)
+    );
     let ended = within(cb.release(&lease.saved())).await.unwrap();
     assert_eq!(ended, Ended::Released { epoch: lease.epoch });
     // Free again.

@@ -320,6 +320,7 @@ async fn keep_alive_once(ctx: &Ctx, id: i64) -> Result<bool, EtcdError> {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn granted_line(
     resource: &str,
     holder: &str,
@@ -424,7 +425,10 @@ async fn binder_expired(ctx: &Ctx, b: &BindSpec, known: Option<(i64, TtlValue)>)
         };
         match put_if(ctx, &b.key, mod_rev, &ended, b.id).await {
             Ok(true) => {}
-            Ok(false) => info!(lease = b.id, "ttl: the key changed at the deadline; not marked expired"),
+            Ok(false) => info!(
+                lease = b.id,
+                "ttl: the key changed at the deadline; not marked expired"
+            ),
             Err(e) => warn!(lease = b.id, error = %e, "ttl: cannot mark the lease expired in etcd"),
         }
     }
@@ -454,7 +458,8 @@ async fn binder(ctx: std::sync::Arc<Ctx>, b: BindSpec, mut expires_at: u64) {
     let limit = ctx.cfg.op_timeout;
     let mut client = ctx.client.clone();
     let mut known: Option<(i64, TtlValue)> = None;
-    let deleted_reason = |prev: Option<TtlValue>, expires_at: u64| match prev.and_then(|v| v.ended) {
+    let deleted_reason = |prev: Option<TtlValue>, expires_at: u64| match prev.and_then(|v| v.ended)
+    {
         Some(r) => r,
         None if unix_ms() >= expires_at => "expired".to_string(),
         None => "revoked:etcd:the lease's etcd lease ended".to_string(),
@@ -486,7 +491,9 @@ async fn binder(ctx: std::sync::Arc<Ctx>, b: BindSpec, mut expires_at: u64) {
                 Some(kv) => {
                     if let Some(v) = TtlValue::decode(&String::from_utf8_lossy(kv.value())) {
                         match seen_value(&b, &v, &mut expires_at) {
-                            Some(Seen::Unbound) => return binder_unbound(&ctx, &b, "resumed elsewhere"),
+                            Some(Seen::Unbound) => {
+                                return binder_unbound(&ctx, &b, "resumed elsewhere")
+                            }
                             Some(Seen::Ended(r)) => return binder_ended(&ctx, &b, &r),
                             None => known = Some((kv.mod_revision(), v)),
                         }
@@ -564,7 +571,9 @@ async fn wait_task(
                 match keep_alive_once(&ctx, id).await {
                     Ok(true) => {}
                     Ok(false) => return,
-                    Err(e) => warn!(lease = id, error = %e, "ttl: waiting request's keepalive failed"),
+                    Err(e) => {
+                        warn!(lease = id, error = %e, "ttl: waiting request's keepalive failed")
+                    }
                 }
             }
         })
@@ -819,14 +828,7 @@ impl Session {
                 self.ttl_bind(&f, expires_at);
                 info!(session = self.id, lease = id, resource = %resource, holder = %holder, epoch = rev, ttl_ms, etcd_ttl_secs = g.ttl(), expires_at_unix_ms = expires_at, "ttl lease granted");
                 self.send(granted_line(
-                    &resource,
-                    &holder,
-                    rev as u64,
-                    &tok,
-                    false,
-                    id,
-                    ttl_ms,
-                    expires_at,
+                    &resource, &holder, rev as u64, &tok, false, id, ttl_ms, expires_at,
                 ));
             }
             Standing::Behind {
@@ -864,7 +866,8 @@ impl Session {
                     out: self.out.clone(),
                 };
                 let mut st = self.ctx.ttl.lock();
-                let task = tokio::spawn(wait_task(self.ctx.clone(), spec, rev, value, tok, g.ttl()));
+                let task =
+                    tokio::spawn(wait_task(self.ctx.clone(), spec, rev, value, tok, g.ttl()));
                 st.waits.insert(
                     id,
                     Wait {
@@ -931,7 +934,12 @@ impl Session {
             if let Some(w) = w {
                 w.task.abort();
                 spawn_revoke(self.ctx.clone(), *id, "waiting request cancelled");
-                info!(session = self.id, lease = id, resource, "ttl request cancelled");
+                info!(
+                    session = self.id,
+                    lease = id,
+                    resource,
+                    "ttl request cancelled"
+                );
                 self.send(
                     Event::Cancelled {
                         resource: resource.to_string(),
