@@ -305,6 +305,34 @@ async fn release_and_revoke_by_lease_id_from_any_lockd() {
         g["token"].as_str().unwrap().to_string(),
         g["epoch"].as_u64().unwrap(),
     );
+    // A waiting request whose connection closes is withdrawn (its etcd lease revoked, its
+    // key gone); the held lease stays.
+    let mut x = Line::connect(&a.sock).unwrap();
+    acquire_ttl(&mut x, "r2", "gone", 30_000, true);
+    let l3 = x.recv_until("queued", T).unwrap()["lease_id"]
+        .as_u64()
+        .unwrap();
+    drop(x);
+    let end = Instant::now() + T;
+    loop {
+        h.send(json!({"op":"leases","resource":"r2"}));
+        let ls = h.recv_until("leases", T).unwrap();
+        let ids: Vec<u64> = ls["leases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|l| l["lease_id"].as_u64())
+            .collect();
+        if ids == [l1] {
+            break;
+        }
+        assert!(ids.contains(&l1), "{ls}");
+        assert!(
+            Instant::now() < end,
+            "the closed connection's request {l3} is still there: {ls}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let mut w = Line::connect(&b.sock).unwrap();
     acquire_ttl(&mut w, "r2", "holder-b", 30_000, true);
     let q = w.recv_until("queued", T).unwrap();

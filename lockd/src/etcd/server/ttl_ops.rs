@@ -289,6 +289,7 @@ fn spawn_revoke(ctx: std::sync::Arc<Ctx>, id: i64, why: &'static str) {
         for attempt in 0..5u32 {
             match mutex::bounded(ctx.cfg.op_timeout, client.lease_revoke(id)).await {
                 Ok(_) => {
+                    ctx.live_leases().remove(&id);
                     info!(lease = id, why, "ttl: etcd lease revoked");
                     return;
                 }
@@ -636,6 +637,8 @@ async fn wait_task(
                     // Cancelled meanwhile: whoever cancelled revokes the lease.
                     return;
                 };
+                // Held now: it outlives this lockd (not revoked at its stop).
+                ctx.live_leases().remove(&b.id);
                 st.bound.insert(
                     b.id,
                     Bound {
@@ -865,6 +868,8 @@ impl Session {
                     session: self.id,
                     out: self.out.clone(),
                 };
+                // A waiting request goes with this lockd: revoked at its stop.
+                self.ctx.live_leases().insert(id);
                 let mut st = self.ctx.ttl.lock();
                 let task =
                     tokio::spawn(wait_task(self.ctx.clone(), spec, rev, value, tok, g.ttl()));
