@@ -1163,6 +1163,16 @@ impl Session {
             );
         }
         let sent = unix_ms();
+        if f.value.expires_at_unix_ms.is_some_and(|d| sent >= d) {
+            // The deadline passed since the lookup: expired, and no keepalive is sent.
+            return self.ttl_refused(
+                TtlRefusal::Ended {
+                    id: lease_id,
+                    reason: "expired".into(),
+                },
+                Some(&f.resource),
+            );
+        }
         match keep_alive_once(&self.ctx, f.id).await {
             Ok(true) => {}
             Ok(false) => {
