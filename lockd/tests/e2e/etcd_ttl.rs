@@ -400,6 +400,9 @@ async fn release_and_revoke_by_lease_id_from_any_lockd() {
     );
 
     // Revoke by lease id from A of the lease held through B: its holder is told.
+    let mut wt = Line::connect(&a.sock).unwrap();
+    wt.send(json!({"op":"watch"}));
+    wt.recv_until("watching", T).unwrap();
     let mut op = Line::connect(&a.sock).unwrap();
     op.send(json!({"op":"revoke","lease_id":l2,"reason":"drain"}));
     let rs = next(&mut op, &a, &b, "revoke_sent");
@@ -407,6 +410,16 @@ async fn release_and_revoke_by_lease_id_from_any_lockd() {
         (rs["event"].as_str(), rs["holder"].as_str()),
         (Some("revoke_sent"), Some("holder-b")),
         "{rs}"
+    );
+    let n = wt.recv_until("notice", T).expect("a notice on A");
+    assert_eq!(
+        (
+            n["kind"].as_str(),
+            n["lease_id"].as_u64(),
+            n["lease_kind"].as_str()
+        ),
+        (Some("revoked"), Some(l2), Some("ttl")),
+        "{n}"
     );
     let le = w.recv_until("lease_ended", T).expect("holder told");
     let reason = le["reason"].as_str().unwrap();

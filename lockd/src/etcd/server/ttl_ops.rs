@@ -26,7 +26,7 @@ use tracing::{info, warn};
 use super::{error_line, token, unix_ms, Ctx, Session};
 use crate::etcd::mutex::{self, EtcdError, Standing};
 use crate::etcd::ttl::{self, TtlRefusal, TtlValue};
-use crate::proto::{ErrorCode, Event, LeaseFields, LeaseKind, LeaseReport};
+use crate::proto::{ErrorCode, Event, LeaseFields, LeaseKind, LeaseReport, Notice, NoticeKind};
 
 /// Tombstones this lockd keeps (oldest forgotten first) and for how long.
 const MAX_TOMBS: usize = 1000;
@@ -46,6 +46,43 @@ fn deadline_of(sent_ms: u64, ttl_ms: u64, granted_secs: i64) -> u64 {
         ttl::planted_late_deadline(unix_ms(), granted_secs)
     } else {
         ttl::deadline(sent_ms, ttl_ms)
+    }
+}
+
+/// A `notice` to this lockd's watchers of a TTL lease's change.
+#[allow(clippy::too_many_arguments)]
+fn notify(
+    ctx: &Ctx,
+    kind: NoticeKind,
+    id: i64,
+    resource: &str,
+    holder: &str,
+    epoch: u64,
+    session: Option<u64>,
+    reclaimed: bool,
+    reason: Option<&str>,
+) {
+    ctx.reg().notify(Notice {
+        kind,
+        resource: resource.to_string(),
+        holder: Some(holder.to_string()),
+        epoch,
+        session,
+        reclaimed,
+        after_revoke: false,
+        reason: reason.map(str::to_string),
+        at_unix_ms: unix_ms(),
+        lease_id: Some(id as u64),
+        lease_kind: Some(LeaseKind::Ttl),
+        version: None,
+    });
+}
+
+fn ended_kind(reason: &str) -> NoticeKind {
+    match ttl::state_of_reason(reason) {
+        "expired" => NoticeKind::Expired,
+        "revoked" => NoticeKind::Revoked,
+        _ => NoticeKind::Released,
     }
 }
 
@@ -394,6 +431,17 @@ fn binder_ended(ctx: &Ctx, b: &BindSpec, reason: &str) {
         );
     }
     info!(lease = b.id, resource = %b.resource, holder = %b.holder, epoch = b.epoch, session = b.session, reason, "ttl lease ended");
+    notify(
+        ctx,
+        ended_kind(reason),
+        b.id,
+        &b.resource,
+        &b.holder,
+        b.epoch,
+        Some(b.session),
+        false,
+        Some(reason),
+    );
     if reason != "released" {
         let _ = b
             .out
@@ -661,6 +709,17 @@ async fn wait_task(
             };
             info!(lease = b.id, resource = %b.resource, holder = %b.holder, epoch = rev, session = b.session, expires_at_unix_ms = expires_at, "ttl lease granted (was waiting)");
             let _ = b.out.try_send(line);
+            notify(
+                &ctx,
+                NoticeKind::Granted,
+                b.id,
+                &b.resource,
+                &b.holder,
+                rev as u64,
+                Some(b.session),
+                false,
+                None,
+            );
             let b = BindSpec {
                 epoch: rev as u64,
                 granted_at_unix_ms: value.granted_at_unix_ms,
@@ -830,6 +889,17 @@ impl Session {
                 };
                 self.ttl_bind(&f, expires_at);
                 info!(session = self.id, lease = id, resource = %resource, holder = %holder, epoch = rev, ttl_ms, etcd_ttl_secs = g.ttl(), expires_at_unix_ms = expires_at, "ttl lease granted");
+                notify(
+                    &self.ctx,
+                    NoticeKind::Granted,
+                    id,
+                    &resource,
+                    &holder,
+                    rev as u64,
+                    Some(self.id),
+                    false,
+                    None,
+                );
                 self.send(granted_line(
                     &resource, &holder, rev as u64, &tok, false, id, ttl_ms, expires_at,
                 ));
@@ -999,6 +1069,17 @@ impl Session {
             ),
         );
         info!(session = self.id, lease = f.id, resource = %f.resource, holder = %f.value.holder, epoch, reason = %reason, "ttl lease ended");
+        notify(
+            &self.ctx,
+            ended_kind(&reason),
+            f.id,
+            &f.resource,
+            &f.value.holder,
+            epoch,
+            bound.as_ref().map(|b| b.session),
+            false,
+            Some(&reason),
+        );
         if let Some(b) = bound {
             if reason != "released" {
                 let line = lease_ended_line(f.id, &f.resource, epoch, &reason);
@@ -1273,6 +1354,17 @@ impl Session {
         };
         self.ttl_bind(&f, expires_at);
         info!(session = self.id, lease = f.id, resource = %f.resource, epoch = f.rev, "ttl lease resumed");
+        notify(
+            &self.ctx,
+            NoticeKind::Granted,
+            f.id,
+            &f.resource,
+            &f.value.holder,
+            f.rev as u64,
+            Some(self.id),
+            true,
+            None,
+        );
         self.send(granted_line(
             &f.resource,
             &f.value.holder,
