@@ -32,7 +32,10 @@ use crate::proto::{
 };
 use crate::Endpoint;
 
-/// The features `hello` announces on this backend: `put_fenced` (no version-2 lease kinds),
+mod ttl_ops;
+
+/// The features `hello` announces on this backend: `put_fenced`, `ttl` (TTL leases, the only
+/// version-2 kind served here: [`ttl_ops`]),
 /// and `no_reclaim`: a lease never survives its connection's break (a new connection's
 /// `reclaim` is refused), so a client whose connection broke knows at once that its leases
 /// are lost and fences instead of waiting out a reconnect window (`lockd::client`).
@@ -40,6 +43,7 @@ pub const ETCD_FEATURES: &[&str] = &[
     "put_fenced",
     "delete_fenced",
     crate::client::FEATURE_NO_RECLAIM,
+    "ttl",
 ];
 
 /// The features announced to a new connection: [`ETCD_FEATURES`], without `no_reclaim` under
@@ -178,6 +182,8 @@ struct Ctx {
     reg: Mutex<Registry>,
     /// etcd leases granted and not yet revoked (revoked at shutdown).
     live: Mutex<std::collections::BTreeSet<i64>>,
+    /// TTL leases: this lockd's waiting requests, bound leases and tombstones.
+    ttl: ttl_ops::TtlShared,
 }
 
 impl Ctx {
@@ -374,6 +380,7 @@ impl EtcdServer {
                 client,
                 reg: Mutex::new(Registry::default()),
                 live: Mutex::new(std::collections::BTreeSet::new()),
+                ttl: ttl_ops::TtlShared::default(),
             }),
             unix,
             tcp,
@@ -772,10 +779,13 @@ impl Session {
         for r in waits {
             self.cancel_wait(&r);
         }
+        // TTL requests too; held TTL leases live on, unbound.
+        self.ttl_session_gone();
     }
 
     /// The session ends: revoke its etcd lease at once (every key of the session goes).
     async fn end(&mut self, why: &str) {
+        self.ttl_session_gone();
         let waits: Vec<String> = self.waiting.keys().cloned().collect();
         for r in waits {
             self.cancel_wait(&r);
@@ -911,6 +921,10 @@ impl Session {
                 wait,
                 ext,
             } => {
+                if super::ttl::is_plain_ttl(&ext) {
+                    let ttl_ms = ext.ttl_ms.unwrap_or(1);
+                    return self.ttl_acquire(resource, holder, wait, ttl_ms).await;
+                }
                 if ext != proto::AcquireExt::default() {
                     return self.send(unsupported(&refused_kind(&ext), Some(&resource)));
                 }
@@ -920,7 +934,20 @@ impl Session {
                 resource: Some(resource),
                 lease_id: None,
                 token: None,
-            } => self.release(&resource),
+            } => {
+                if !self.held.contains_key(&resource)
+                    && !self.waiting.contains_key(&resource)
+                    && self.ttl_release_resource(&resource).await
+                {
+                    return;
+                }
+                self.release(&resource)
+            }
+            Request::Release {
+                lease_id: Some(id),
+                token: Some(token),
+                ..
+            } => self.ttl_release(id, &token).await,
             Request::Release { .. } => {
                 self.send(unsupported("release by lease_id", None));
             }
@@ -935,6 +962,12 @@ impl Session {
                 reason,
                 admin_token,
             } => self.revoke(&resource, reason, admin_token).await,
+            Request::Revoke {
+                lease_id: Some(id),
+                reason,
+                admin_token,
+                ..
+            } => self.ttl_revoke(id, reason, admin_token).await,
             Request::Revoke { .. } => self.send(unsupported("revoke by lease_id", None)),
             Request::Status { .. } => self.status().await,
             Request::Watch => {
@@ -944,15 +977,19 @@ impl Session {
                 self.send(Event::Watching {}.encode());
             }
             Request::Anchor => self.anchor(),
-            Request::Renew { .. }
-            | Request::Commit { .. }
-            | Request::Resume { .. }
+            Request::Renew {
+                lease_id,
+                token,
+                ttl_ms,
+            } => self.ttl_renew(lease_id, &token, ttl_ms).await,
+            Request::Resume { lease_id, token } => self.ttl_resume(lease_id, &token).await,
+            Request::Lease { lease_id } => self.ttl_lease(lease_id).await,
+            Request::Leases { resource, holder } => self.ttl_leases(resource, holder).await,
+            Request::Commit { .. }
             | Request::Start { .. }
-            | Request::Lease { .. }
-            | Request::Leases { .. }
             | Request::Offer { .. }
             | Request::Withdraw { .. } => self.send(unsupported(
-                "the version-2 lease ops (renew, commit, resume, start, lease, leases, offer, withdraw)",
+                "the version-2 lease ops of the shared, quantity and reserve kinds (commit, start, offer, withdraw)",
                 None,
             )),
         }
@@ -1188,7 +1225,7 @@ impl Session {
                 let msg = match remote {
                     Ok(Some(o)) => format!(
                         "held by {} through another lockd (epoch {}); the etcd backend revokes only holders connected to this lockd",
-                        o.value, o.create_revision
+                        super::ttl::display_value(&o.value), o.create_revision
                     ),
                     Ok(None) => "nobody holds it".to_string(),
                     Err(e) => format!("no holder on this lockd (etcd not asked: {e})"),
@@ -1233,11 +1270,12 @@ impl Session {
                             .entry(e.resource.clone())
                             .or_insert_with(|| blank(&e.resource));
                         if r.holder.is_none() {
-                            r.holder = Some(e.value.clone());
+                            r.holder = Some(super::ttl::display_value(&e.value).to_string());
                             r.epoch = e.create_revision as u64;
                             r.state = LeaseState::Held;
                         } else {
-                            r.waiters.push(e.value.clone());
+                            r.waiters
+                                .push(super::ttl::display_value(&e.value).to_string());
                         }
                     }
                 }
@@ -1641,7 +1679,7 @@ async fn acquire_task(
                         mutex::delete(&mut client, limit, &key).await?;
                         return Ok(Some(Msg::Busy {
                             resource: resource.clone(),
-                            holder: owner_value,
+                            holder: super::ttl::display_value(&owner_value).to_string(),
                         }));
                     }
                     if !queued {

@@ -24,7 +24,7 @@ use serde_json::Value;
 use crate::common::*;
 
 /// The test's etcd, or None after recording the skip.
-fn etcd_or_skip(test: &str, dir: &Path) -> Option<Etcd> {
+pub(crate) fn etcd_or_skip(test: &str, dir: &Path) -> Option<Etcd> {
     let e = Etcd::start(dir);
     if e.is_none() {
         harness::skip::skip(
@@ -36,12 +36,12 @@ fn etcd_or_skip(test: &str, dir: &Path) -> Option<Etcd> {
 }
 
 /// A `lockd serve --backend etcd` on `DIR/NAME.sock`.
-struct EtcdLockd {
-    proc: Proc,
-    sock: PathBuf,
+pub(crate) struct EtcdLockd {
+    pub(crate) proc: Proc,
+    pub(crate) sock: PathBuf,
 }
 
-fn start(
+pub(crate) fn start(
     dir: &Path,
     name: &str,
     etcd_url: &str,
@@ -79,24 +79,24 @@ fn start(
 }
 
 /// A raw connection whose reads are bounded per call.
-struct Line {
+pub(crate) struct Line {
     w: UnixStream,
     r: BufReader<UnixStream>,
 }
 
 impl Line {
-    fn connect(sock: &Path) -> std::io::Result<Line> {
+    pub(crate) fn connect(sock: &Path) -> std::io::Result<Line> {
         let s = UnixStream::connect(sock)?;
         let r = BufReader::new(s.try_clone()?);
         Ok(Line { w: s, r })
     }
-    fn send(&mut self, v: Value) {
+    pub(crate) fn send(&mut self, v: Value) {
         let mut l = v.to_string();
         l.push('\n');
         self.w.write_all(l.as_bytes()).expect("send to lockd");
     }
     /// Next event within `limit` (None: timeout or EOF).
-    fn recv(&mut self, limit: Duration) -> Option<Value> {
+    pub(crate) fn recv(&mut self, limit: Duration) -> Option<Value> {
         self.r.get_ref().set_read_timeout(Some(limit)).ok()?;
         let mut line = String::new();
         match self.r.read_line(&mut line) {
@@ -104,7 +104,7 @@ impl Line {
             Ok(_) => serde_json::from_str(&line).ok(),
         }
     }
-    fn recv_until(&mut self, event: &str, limit: Duration) -> Option<Value> {
+    pub(crate) fn recv_until(&mut self, event: &str, limit: Duration) -> Option<Value> {
         let end = Instant::now() + limit;
         loop {
             let left = end.checked_duration_since(Instant::now())?;
@@ -114,7 +114,7 @@ impl Line {
             }
         }
     }
-    fn acquire(&mut self, resource: &str, holder: &str) {
+    pub(crate) fn acquire(&mut self, resource: &str, holder: &str) {
         self.send(serde_json::json!({"op":"acquire","resource":resource,"holder":holder}));
     }
 }
@@ -525,7 +525,7 @@ fn protocol_surface_served_and_refused() {
     let hello = h.recv_until("hello", t).unwrap();
     assert_eq!(
         hello["features"],
-        serde_json::json!(["put_fenced", "delete_fenced", "no_reclaim"]),
+        serde_json::json!(["put_fenced", "delete_fenced", "no_reclaim", "ttl"]),
         "{hello}"
     );
     h.send(serde_json::json!({"op":"ping"}));
@@ -537,13 +537,10 @@ fn protocol_surface_served_and_refused() {
     h.acquire("engine", "ha");
     assert_eq!(h.recv(t).unwrap()["code"], "already_held");
 
-    // Version-2 kinds and ops: `unsupported`, naming the etcd backend and, for an acquire,
-    // the kind asked for (the table in docs/ETCD.md, "Lease kinds on this backend").
+    // Version-2 kinds and ops other than TTL leases (served: e2e `etcd_ttl`):
+    // `unsupported`, naming the etcd backend and, for an acquire, the kind asked for (the
+    // table in docs/ETCD.md, "Lease kinds on this backend").
     for (req, names) in [
-        (
-            serde_json::json!({"op":"acquire","resource":"x","holder":"h","ttl_ms":1000}),
-            "a TTL (ttl_ms) lease",
-        ),
         (
             serde_json::json!({"op":"acquire","resource":"x","holder":"h","mode":"shared"}),
             "shared",
@@ -557,17 +554,28 @@ fn protocol_surface_served_and_refused() {
             "quantity",
         ),
         (
+            serde_json::json!({"op":"acquire","resource":"pool","holder":"h","quantity":2}),
+            "quantity",
+        ),
+        (
             serde_json::json!({"op":"acquire","resource":"x","holder":"h","gang":["p","q"]}),
             "a gang of",
         ),
         (
-            serde_json::json!({"op":"renew","lease_id":1,"token":"t"}),
-            "renew",
+            serde_json::json!({"op":"acquire","resource":"x","holder":"h","gang":["p","q"],"ttl_ms":1000}),
+            "a gang of ttl leases",
         ),
-        (serde_json::json!({"op":"leases"}), "leases"),
         (
-            serde_json::json!({"op":"release","lease_id":1,"token":"t"}),
-            "lease_id",
+            serde_json::json!({"op":"acquire","resource":"x","holder":"h","reserve_ms":1000}),
+            "a reserved",
+        ),
+        (
+            serde_json::json!({"op":"commit","lease_id":1,"token":"t"}),
+            "commit",
+        ),
+        (
+            serde_json::json!({"op":"offer","pool":"p","name":"o","quantity":1}),
+            "offer",
         ),
     ] {
         h.send(req.clone());

@@ -26,6 +26,7 @@ mod dead_sockets_reaped;
 mod deadlock;
 mod etcd_backend;
 mod etcd_tls;
+mod etcd_ttl;
 mod group_commit;
 mod hold_child_outlives_hold;
 mod hold_child_outlives_hold_after_restart;
