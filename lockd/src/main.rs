@@ -726,10 +726,8 @@ async fn serve(a: ServeArgs) -> ExitCode {
 
 async fn serve_etcd(a: ServeArgs, shutdown: impl std::future::Future<Output = ()>) -> ExitCode {
     use lockd::etcd::{server::EtcdServer, EtcdConfig, Margin};
-    if a.metrics.is_some() || a.offers.is_some() {
-        eprintln!(
-            "lockd: warning: --metrics and --offers are not served by --backend etcd; ignored"
-        );
+    if a.offers.is_some() {
+        eprintln!("lockd: warning: --offers is not served by --backend etcd; ignored");
     }
     let e = a.etcd;
     let read = |what: &str, p: &PathBuf| {
@@ -779,6 +777,7 @@ async fn serve_etcd(a: ServeArgs, shutdown: impl std::future::Future<Output = ()
         leader_change: e.etcd_leader_change,
         tls,
         enforce_expiry: e.etcd_enforce_expiry,
+        metrics: a.metrics,
         planted_bug_expiry_early: std::env::var("LOCKD_PLANTED_BUG_EXPIRY_EARLY")
             .is_ok_and(|v| v == "1"),
     };

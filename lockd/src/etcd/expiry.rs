@@ -187,7 +187,13 @@ pub struct EnforceCfg {
 /// Drives [`Watch`] for `lease` (the predecessor's), the key `key` read for the
 /// linearizable confirmation. Returns when it revoked the lease, when the lease is gone, or
 /// when the rule cannot apply; the caller keeps waiting for the key's deletion either way.
-pub async fn enforce(mut client: Client, cfg: EnforceCfg, lease: i64, key: String) {
+pub async fn enforce(
+    mut client: Client,
+    cfg: EnforceCfg,
+    lease: i64,
+    key: String,
+    revoked: prometheus_client::metrics::counter::Counter,
+) {
     let mut w = Watch::new(cfg.fine, cfg.slack);
     if cfg.planted_early {
         w = w.planted_bug_early();
@@ -227,9 +233,12 @@ pub async fn enforce(mut client: Client, cfg: EnforceCfg, lease: i64, key: Strin
             }
             Step::Revoke => {
                 match bounded(cfg.limit, client.lease_revoke(lease)).await {
-                    Ok(_) => info!(lease = %lease_hex, key = %key,
-                        planted_bug_early = cfg.planted_early,
-                        "expiry watch: the predecessor's etcd lease expired on the leader; revoked it"),
+                    Ok(_) => {
+                        revoked.inc();
+                        info!(lease = %lease_hex, key = %key,
+                            planted_bug_early = cfg.planted_early,
+                            "expiry watch: the predecessor's etcd lease expired on the leader; revoked it")
+                    }
                     Err(e) => {
                         warn!(lease = %lease_hex, error = %e, "expiry watch: revoke failed (etcd expires the lease itself)")
                     }

@@ -22,6 +22,7 @@
 pub mod expiry;
 pub mod fence;
 pub mod leader_change;
+pub mod metrics;
 pub mod mutex;
 pub mod server;
 pub mod ttl;
@@ -93,6 +94,8 @@ pub struct EtcdConfig {
     /// A waiter revokes its predecessor's etcd lease once it has provably expired on etcd's
     /// leader (`--etcd-enforce-expiry`, [`expiry`]).
     pub enforce_expiry: bool,
+    /// `--metrics HOST:PORT`: serve [`metrics::EtcdMetrics`] at `GET /metrics`.
+    pub metrics: Option<String>,
     /// PLANTED BUG (tests only; `LOCKD_PLANTED_BUG_EXPIRY_EARLY=1`): that revoke comes at
     /// the first "0 s left", up to a second early.
     pub planted_bug_expiry_early: bool,

@@ -175,6 +175,8 @@ impl Registry {
 
 struct Ctx {
     cfg: EtcdConfig,
+    /// `--metrics`.
+    metrics: Arc<super::metrics::EtcdMetrics>,
     /// `--etcd-leader-change` resolved against etcd's version: a session's fence stops
     /// crediting renewals at a raft term change ([`Fence::freeze_on_term_change`]).
     freeze_on_term_change: bool,
@@ -231,6 +233,7 @@ pub struct EtcdServer {
     ctx: Arc<Ctx>,
     unix: Vec<(UnixListener, std::path::PathBuf)>,
     tcp: Vec<TcpListener>,
+    metrics: Option<TcpListener>,
 }
 
 fn bind_unix(path: &std::path::Path) -> Result<UnixListener, EtcdServeError> {
@@ -337,7 +340,17 @@ impl EtcdServer {
                 }
             }
         }
+        let metrics = match &cfg.metrics {
+            None => None,
+            Some(addr) => Some(TcpListener::bind(addr.as_str()).await.map_err(|source| {
+                EtcdServeError::Bind {
+                    endpoint: format!("--metrics {addr}"),
+                    source,
+                }
+            })?),
+        };
         info!(endpoints = %endpoints, prefix = %cfg.prefix, ttl = ?cfg.ttl, margin = ?margin,
+            metrics = ?cfg.metrics,
             enforce_expiry = cfg.enforce_expiry, tls = cfg.tls.is_some(), client_certificate = cfg.tls.as_ref().is_some_and(|t| t.identity.is_some()),
             planted_bug_no_margin = cfg.planted_bug_no_margin, "lockd serving with the etcd backend");
         if cfg.planted_bug_expiry_early {
@@ -375,6 +388,7 @@ impl EtcdServer {
         }
         Ok(EtcdServer {
             ctx: Arc::new(Ctx {
+                metrics: Arc::new(super::metrics::EtcdMetrics::new()),
                 cfg,
                 freeze_on_term_change: freeze,
                 client,
@@ -384,11 +398,31 @@ impl EtcdServer {
             }),
             unix,
             tcp,
+            metrics,
         })
     }
 
     /// Serve until `shutdown` resolves; then every session's etcd lease is revoked.
     pub async fn run(
+        mut self,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> Result<(), EtcdServeError> {
+        let Some(listener) = self.metrics.take() else {
+            return self.run_inner(shutdown).await;
+        };
+        // The metrics server spawns its connections locally; it ends with the LocalSet.
+        let local = tokio::task::LocalSet::new();
+        let m = self.ctx.metrics.clone();
+        local.spawn_local(crate::metrics::serve(
+            listener,
+            move || m.render(),
+            crate::metrics::HttpLimits::default(),
+            std::future::pending(),
+        ));
+        local.run_until(self.run_inner(shutdown)).await
+    }
+
+    async fn run_inner(
         self,
         shutdown: impl std::future::Future<Output = ()>,
     ) -> Result<(), EtcdServeError> {
@@ -630,6 +664,15 @@ struct Session {
 }
 
 async fn session(ctx: Arc<Ctx>, mut reader: Reader, mut writer: Writer, peer: PeerInfo) {
+    /// Counts the session in `lockd_etcd_sessions` for as long as it runs.
+    struct Open(prometheus_client::metrics::gauge::Gauge);
+    impl Drop for Open {
+        fn drop(&mut self) {
+            self.0.dec();
+        }
+    }
+    ctx.metrics.sessions.inc();
+    let _open = Open(ctx.metrics.sessions.clone());
     let (out, mut out_rx) = mpsc::channel::<String>(OUTBOUND_QUEUE);
     let (tx, mut rx) = mpsc::unbounded_channel::<Msg>();
     let id = {
@@ -1408,6 +1451,7 @@ impl Session {
                     spawn_delete(self.ctx.clone(), key);
                     return;
                 };
+                self.ctx.metrics.grants.inc();
                 let now_ms = unix_ms();
                 {
                     let mut reg = self.ctx.reg();
@@ -1498,6 +1542,7 @@ impl Session {
     /// later acquire gets a new one). Waiters are told `unavailable`: their keys went with
     /// the lease.
     fn lost(&mut self, cause: &str) {
+        self.ctx.metrics.self_fences.inc();
         let reason = format!("lost: {cause}");
         error!(session = self.id, held = self.held.len(), waiting = self.waiting.len(), reason = %reason,
             connected = self.connected, "etcd lease not renewed in time: telling the holders to fence");
@@ -1622,7 +1667,13 @@ async fn wait_predecessor(
         slack: Duration::from_millis(20),
         planted_early: ctx.cfg.planted_bug_expiry_early,
     };
-    let enforce = super::expiry::enforce(ctx.client.clone(), cfg, lease, predecessor.to_string());
+    let enforce = super::expiry::enforce(
+        ctx.client.clone(),
+        cfg,
+        lease,
+        predecessor.to_string(),
+        ctx.metrics.expiry_revokes.clone(),
+    );
     tokio::pin!(enforce);
     let wait = mutex::wait_deleted(client, limit, predecessor);
     tokio::pin!(wait);
@@ -1709,6 +1760,7 @@ async fn acquire_task(
             }
             Ok(None) => backoff = Duration::from_millis(20),
             Err(e) => {
+                ctx.metrics.etcd_errors.inc();
                 warn!(session, resource = %resource, error = %e, "acquire: etcd error; retrying");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));
@@ -1824,6 +1876,8 @@ async fn keep_alive(
             Some(Ok(ks)) => ks,
         };
         fence.step(Instant::now(), FenceInput::StreamReset);
+        // Send times of this stream's unanswered keepalives (etcd answers them in order).
+        let mut unanswered: std::collections::VecDeque<Instant> = std::collections::VecDeque::new();
         // Opening the stream sends one keepalive whose answer etcd-client consumes (never
         // credited: its send time is unknown here); the first credited one goes now, then
         // every `every`.
@@ -1838,6 +1892,7 @@ async fn keep_alive(
                     next_send += every;
                     match tokio::time::timeout(every, keeper.keep_alive()).await {
                         Ok(Ok(())) => {
+                            unanswered.push_back(Instant::now());
                             if let Some(c) = report(fence.step(Instant::now(), FenceInput::Sent)) {
                                 let _ = tx.send(Msg::Lost { cause: c });
                                 return;
@@ -1851,6 +1906,9 @@ async fn keep_alive(
                 }
                 m = stream.message() => match m {
                     Ok(Some(resp)) => {
+                        if let Some(sent) = unanswered.pop_front() {
+                            ctx.metrics.observe_rtt(sent.elapsed());
+                        }
                         let (member, term) = resp
                             .header()
                             .map(|h| (h.member_id(), h.raft_term()))
@@ -1858,6 +1916,7 @@ async fn keep_alive(
                         debug!(session, lease = %lease_hex, member = format_args!("{member:016x}"), term, ttl_secs = resp.ttl(), "keepalive answered");
                         if term != 0 {
                             if let Some(old) = last_term.filter(|old| *old != term) {
+                                ctx.metrics.term_changes.inc();
                                 info!(session, lease = %lease_hex, from_term = old, to_term = term,
                                     member = format_args!("{member:016x}"),
                                     "etcd's raft term changed while the lease is kept alive (a new etcd leader)");
