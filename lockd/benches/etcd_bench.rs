@@ -30,7 +30,8 @@
 //!   test's `FENCE_FLAGS`): A reaches etcd only through a TCP proxy (`harness::etcd::Proxy`),
 //!   B directly. Each trial, on a fresh resource: A's lockd is first shown to reach etcd (a
 //!   probe acquire is granted); a holder on A (raw connection, version-1 acquire, as the
-//!   supervisor's) is granted, a waiter on B is queued (else the bench fails, exit 2); after
+//!   supervisor's) is granted after a random 0–500 ms pause (a random phase of etcd's 500 ms
+//!   expiry check), a waiter on B is queued (else the bench fails, exit 2); after
 //!   700 ms plus a random part of A's keepalive period the proxy black-holes A's traffic (no
 //!   reset) at `t_cut`; `t_told`: A's holder reads `revoked` with a `lost:` reason; `t_grant`:
 //!   B's waiter reads `granted` with a higher epoch; then the proxy heals. Figures: failover =
@@ -590,6 +591,11 @@ fn partition_trial(
 ) -> Result<PartitionTrial, String> {
     use rand::Rng;
     let setup = Duration::from_secs(10);
+    // The trial's start follows the previous trial's grant, which came at a tick of etcd's
+    // lessor (it looks for expired leases every 500 ms): without this pause A's new lease, and
+    // so its expiry, would stand at nearly the same phase of that tick in every trial, and the
+    // failover figures would sample one expiry-check delay instead of all of them.
+    std::thread::sleep(Duration::from_millis(rand::thread_rng().gen_range(0..500)));
     let mut holder = Line::connect(a)?;
     holder.send(&acquire_line(resource, "engine-a"))?;
     let g = holder
