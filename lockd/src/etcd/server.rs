@@ -656,6 +656,11 @@ struct Session {
     lease: Option<SessionLease>,
     held: BTreeMap<String, Held>,
     waiting: BTreeMap<String, (String, JoinHandle<()>)>,
+    /// Background deletions of this session's lock keys (a release, a cancelled wait), by
+    /// key: an acquire of the same key (keys are named after the session's lease) waits for
+    /// them before it puts the key again, so that a late deletion can neither remove the new
+    /// key nor leave the old one to be taken for it.
+    deleting: BTreeMap<String, Vec<Deletion>>,
     anchors: u32,
     pending_fds: Vec<OwnedFd>,
     connected: bool,
@@ -709,6 +714,7 @@ async fn session(ctx: Arc<Ctx>, mut reader: Reader, mut writer: Writer, peer: Pe
         lease: None,
         held: BTreeMap::new(),
         waiting: BTreeMap::new(),
+        deleting: BTreeMap::new(),
         anchors: 0,
         pending_fds: Vec::new(),
         connected: true,
@@ -911,7 +917,7 @@ impl Session {
             if let Some(l) = &self.lease {
                 // The key may have been put already: delete it (idempotent).
                 let key = mutex::lock_key(&self.ctx.cfg.prefix, resource, l.id);
-                spawn_delete(self.ctx.clone(), key);
+                self.delete_in_background(key);
             }
         }
         let mut reg = self.ctx.reg();
@@ -1149,6 +1155,8 @@ impl Session {
         };
         let key = mutex::lock_key(&self.ctx.cfg.prefix, &resource, lease);
         let value = format!("{holder}@{}", self.ctx.cfg.node);
+        // Clones: an acquire cancelled before they end leaves them for the next one.
+        let deleting = self.deleting.get(&key).cloned().unwrap_or_default();
         let task = tokio::spawn(acquire_task(
             self.ctx.clone(),
             self.id,
@@ -1157,6 +1165,7 @@ impl Session {
             value,
             lease,
             wait,
+            deleting,
             self.tx.clone(),
         ));
         self.waiting
@@ -1171,9 +1180,20 @@ impl Session {
         }
     }
 
+    /// Delete one of this session's lock keys in the background, remembered in `deleting`.
+    fn delete_in_background(&mut self, key: String) {
+        let done = spawn_delete(self.ctx.clone(), key.clone());
+        // Forget the deletions that succeeded (one that gave up stays: the key may be there).
+        self.deleting.retain(|_, v| {
+            v.retain(|d| *d.borrow() != Some(true));
+            !v.is_empty()
+        });
+        self.deleting.entry(key).or_default().push(done);
+    }
+
     fn release(&mut self, resource: &str) {
         if let Some(h) = self.held.remove(resource) {
-            spawn_delete(self.ctx.clone(), h.key.clone());
+            self.delete_in_background(h.key.clone());
             self.forget_hold(resource, &h, "released");
             self.send(
                 Event::Released {
@@ -1448,7 +1468,7 @@ impl Session {
             } => {
                 let Some((holder, _task)) = self.waiting.remove(&resource) else {
                     // Cancelled while the grant was in flight.
-                    spawn_delete(self.ctx.clone(), key);
+                    self.delete_in_background(key);
                     return;
                 };
                 self.ctx.metrics.grants.inc();
@@ -1630,21 +1650,32 @@ fn token() -> String {
     format!("{v:032x}")
 }
 
+/// A background deletion's outcome: `None` while it runs, then whether the key is known
+/// deleted.
+type Deletion = tokio::sync::watch::Receiver<Option<bool>>;
+
 /// Delete a key in the background, retrying while etcd is unreachable (bounded: the key goes
 /// with its lease anyway).
-fn spawn_delete(ctx: Arc<Ctx>, key: String) {
+fn spawn_delete(ctx: Arc<Ctx>, key: String) -> Deletion {
+    let (done_tx, done) = tokio::sync::watch::channel(None);
     tokio::spawn(async move {
         let mut client = ctx.client.clone();
+        let mut deleted = false;
         for attempt in 0..10u32 {
             match mutex::delete(&mut client, ctx.cfg.op_timeout, &key).await {
-                Ok(()) => return,
+                Ok(()) => {
+                    deleted = true;
+                    break;
+                }
                 Err(e) => {
                     warn!(key = %key, attempt, error = %e, "cannot delete the lock key; retrying");
                     tokio::time::sleep(Duration::from_millis(100 << attempt.min(4))).await;
                 }
             }
         }
+        done_tx.send_replace(Some(deleted));
     });
+    done
 }
 
 /// Waits for the predecessor's key to be deleted ([`mutex::wait_deleted`]) while, with
@@ -1687,7 +1718,11 @@ async fn wait_predecessor(
 }
 
 /// etcd's mutex recipe for one acquire; never gives up on etcd errors (the session cancels
-/// it, or its fence fires), reports the outcome on `tx`.
+/// it, or its fence fires), reports the outcome on `tx`. `deleting`: the session's background
+/// deletions of this same key (an earlier hold or wait on the resource), awaited first: a
+/// deletion landing after the put would remove the new key (the holder would hold nothing),
+/// and the old key, still there, must not be taken for this acquire's (its create revision is
+/// the old epoch, and it is about to go). If one of them gave up, the key is deleted here.
 #[allow(clippy::too_many_arguments)]
 async fn acquire_task(
     ctx: Arc<Ctx>,
@@ -1697,6 +1732,7 @@ async fn acquire_task(
     value: String,
     lease: i64,
     wait: bool,
+    deleting: Vec<Deletion>,
     tx: mpsc::UnboundedSender<Msg>,
 ) {
     let limit = ctx.cfg.op_timeout;
@@ -1705,11 +1741,23 @@ async fn acquire_task(
     let mut backoff = Duration::from_millis(20);
     let mut my_rev = None;
     let mut queued = false;
+    let mut stale_key = false;
+    for mut d in deleting {
+        // Err: the deletion task is gone without an outcome.
+        let deleted = d.wait_for(Option::is_some).await.map(|v| *v == Some(true));
+        if !matches!(deleted, Ok(true)) {
+            stale_key = true;
+        }
+    }
     loop {
         let step: Result<Option<Msg>, EtcdError> = async {
             let rev = match my_rev {
                 Some(r) => r,
                 None => {
+                    if stale_key {
+                        mutex::delete(&mut client, limit, &key).await?;
+                        stale_key = false;
+                    }
                     let r = mutex::enqueue(&mut client, limit, &key, &value, lease).await?;
                     my_rev = Some(r);
                     r
