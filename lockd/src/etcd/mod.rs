@@ -21,6 +21,7 @@
 
 pub mod expiry;
 pub mod fence;
+pub mod gang;
 pub mod leader_change;
 pub mod mutex;
 pub mod server;
