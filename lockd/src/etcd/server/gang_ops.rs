@@ -168,7 +168,7 @@ impl Session {
     /// `cancel_wait` of a waiting gang (its keys deleted in one transaction): true if `label`
     /// named one.
     pub(super) fn gang_cancel_wait(&mut self, label: &str) -> bool {
-        if !self.gangs.get(label).is_some_and(|g| !g.granted) {
+        if self.gangs.get(label).is_none_or(|g| g.granted) {
             return false;
         }
         let Some(g) = self.gangs.remove(label) else {
