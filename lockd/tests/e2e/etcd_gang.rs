@@ -464,3 +464,77 @@ async fn lease_client_gangs_are_refused_clearly() {
     tokio::time::timeout(T, c.ping()).await.unwrap().unwrap();
     drop(etcd);
 }
+
+/// A cut off from etcd while its connection holds gang {m1,m2}: the holder is told `revoked`
+/// (`lost:…`) for both members before B's gang {m2,m3} is granted, at least the kill time
+/// (800 ms) later; B's members share one epoch above A's. (The session's self-fence is
+/// unchanged: gang members are ordinary locks of the session.)
+#[test]
+fn partitioned_gang_holder_is_fenced_before_the_other_gang_is_granted() {
+    let _process = serial();
+    let d = tempfile::tempdir().unwrap();
+    let Some(etcd) = etcd_or_skip("etcd_gang::partition", d.path()) else {
+        return;
+    };
+    let flags = [
+        "--etcd-ttl",
+        "3s",
+        "--etcd-kill-time",
+        "800ms",
+        "--etcd-pause",
+        "200ms",
+        "--etcd-drift-ppm",
+        "10000",
+    ];
+    let proxy = harness::etcd::Proxy::start(([127, 0, 0, 1], etcd.client_port).into());
+    let a = start(d.path(), "A", &proxy.url(), &flags, &[]);
+    let b = start(d.path(), "B", &etcd.client_url, &flags, &[]);
+    let mut ha = connect(&a);
+    gang(&mut ha, "ga", "ga", &["m1", "m2"], json!({}));
+    let ea = gang_epoch(&must(&mut ha, "gang_granted", &a, &b), &["m1", "m2"]);
+    let mut hb = connect(&b);
+    gang(&mut hb, "gb", "gb", &["m2", "m3"], json!({}));
+    must(&mut hb, "queued", &a, &b);
+    std::thread::sleep(Duration::from_millis(700));
+
+    let granted = std::thread::spawn(move || {
+        let g = hb.recv_until("gang_granted", Duration::from_secs(20));
+        (Instant::now(), g)
+    });
+    let cut = Instant::now();
+    proxy.blackhole();
+    let mut told = Vec::new();
+    while told.len() < 2 {
+        let r = ha
+            .recv_until("revoked", Duration::from_secs(15))
+            .unwrap_or_else(|| panic!("A's gang holder not told: {}", a.proc.log_text()));
+        assert!(
+            r["reason"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with("lost:"),
+            "{r}"
+        );
+        assert_eq!(r["epoch"].as_u64(), Some(ea), "{r}");
+        told.push((Instant::now(), r["resource"].as_str().unwrap().to_string()));
+    }
+    let t_told = told[1].0;
+    let mut names: Vec<String> = told.into_iter().map(|(_, r)| r).collect();
+    names.sort();
+    assert_eq!(names, ["m1", "m2"]);
+    let (t_granted, g) = granted.join().unwrap();
+    let g = g.unwrap_or_else(|| panic!("B's gang not granted: {}", b.proc.log_text()));
+    let eb = gang_epoch(&g, &["m2", "m3"]);
+    assert!(eb > ea, "{eb} > {ea}");
+    let margin = t_granted.saturating_duration_since(t_told);
+    eprintln!(
+        "etcd gang partition: A's holder told {:.0} ms after the cut, B's gang granted {:.0} ms after that",
+        t_told.duration_since(cut).as_secs_f64() * 1e3,
+        margin.as_secs_f64() * 1e3
+    );
+    assert!(
+        t_granted > t_told && margin >= Duration::from_millis(800),
+        "B's gang granted {margin:?} after A's holder was told (kill time 800 ms)"
+    );
+    drop(etcd);
+}
