@@ -411,6 +411,11 @@ fn wait_false_and_timeout_leave_no_key_behind() {
     // A member of a held gang: already_held on the same connection, busy elsewhere.
     g.acquire("q", "g");
     assert_eq!(must(&mut g, "error", &a, &b)["code"], "already_held");
+    // The gang's name too (release of a name must mean one thing), and a gang over a held member.
+    g.acquire("g", "g");
+    assert_eq!(must(&mut g, "error", &a, &b)["code"], "already_held");
+    gang(&mut g, "g2", "g", &["r", "p"], json!({}));
+    assert_eq!(must(&mut g, "error", &a, &b)["code"], "already_held");
     probe.send(json!({"op":"acquire","resource":"q","holder":"probe","wait":false}));
     assert_eq!(must(&mut probe, "busy", &a, &b)["holder"], "g@A");
     drop(etcd);

@@ -53,11 +53,13 @@ pub(super) enum GangMsg {
 }
 
 impl Session {
-    /// Whether `resource` is a member of a gang this session waits for or holds.
+    /// Whether `resource` names a gang this session waits for or holds, or one of its
+    /// members (a name means one thing per connection: `release` of it is unambiguous).
     pub(super) fn gang_member_state(&self, resource: &str) -> Option<ErrorCode> {
         self.gangs
-            .values()
-            .find(|g| g.members.iter().any(|m| m == resource))
+            .iter()
+            .find(|(label, g)| *label == resource || g.members.iter().any(|m| m == resource))
+            .map(|(_, g)| g)
             .map(|g| {
                 if g.granted {
                     ErrorCode::AlreadyHeld
@@ -76,10 +78,17 @@ impl Session {
         wait: bool,
         timeout: Option<Duration>,
     ) {
-        if self.gangs.contains_key(&label) || self.waiting.contains_key(&label) {
+        let taken = if self.held.contains_key(&label) {
+            Some(ErrorCode::AlreadyHeld)
+        } else if self.waiting.contains_key(&label) {
+            Some(ErrorCode::AlreadyQueued)
+        } else {
+            self.gang_member_state(&label)
+        };
+        if let Some(code) = taken {
             return self.send(error_line(
-                ErrorCode::AlreadyQueued.as_str(),
-                "this connection already has a gang or a waiting acquire of that name",
+                code.as_str(),
+                "this connection already holds or waits for something of that name (a gang's name and members are one namespace per connection)",
                 Some(&label),
             ));
         }
