@@ -12,15 +12,17 @@
 //! Served: `hello`, `acquire` (version-1 exclusive, connection-bound; `wait` true/false),
 //! `release`, `revoke` (holders on this lockd), `status`, `watch` (this lockd's changes),
 //! `ping`, `anchor` (socket pairs and pidfds, as in the file backend) and the etcd-only
-//! `put_fenced`, and TTL leases (kind `ttl`, [`ttl`] and `server::ttl_ops`: an etcd lease of
-//! their own each, found by their id from any lockd). Refused with `error` `unsupported`
-//! (naming the etcd backend): the other version-2 kinds (shared, quantity, gang, reserve) and
-//! their ops; `reclaim` is refused with
+//! `put_fenced`, TTL leases (kind `ttl`, [`ttl`] and `server::ttl_ops`: an etcd lease of
+//! their own each, found by their id from any lockd) and gangs of exclusive connection-bound
+//! leases ([`gang`] and `server::gang_ops`: one transaction puts every member key). Refused
+//! with `error` `unsupported` (naming the etcd backend): the other version-2 kinds (shared,
+//! quantity, TTL/shared/reserved gangs, reserve) and their ops; `reclaim` is refused with
 //! `reclaim_refused` (a restarted lockd does not adopt the previous one's etcd leases: the
 //! client reports the lease lost and its holder fences).
 
 pub mod expiry;
 pub mod fence;
+pub mod gang;
 pub mod leader_change;
 pub mod metrics;
 pub mod mutex;

@@ -32,10 +32,12 @@ use crate::proto::{
 };
 use crate::Endpoint;
 
+mod gang_ops;
 mod ttl_ops;
 
 /// The features `hello` announces on this backend: `put_fenced`, `ttl` (TTL leases, the only
-/// version-2 kind served here: [`ttl_ops`]),
+/// version-2 kind served here: [`ttl_ops`]), `gang` (gangs of exclusive connection-bound
+/// leases only: [`gang_ops`]; TTL, shared and reserved gangs are refused `unsupported`),
 /// and `no_reclaim`: a lease never survives its connection's break (a new connection's
 /// `reclaim` is refused), so a client whose connection broke knows at once that its leases
 /// are lost and fences instead of waiting out a reconnect window (`lockd::client`).
@@ -44,6 +46,7 @@ pub const ETCD_FEATURES: &[&str] = &[
     "delete_fenced",
     crate::client::FEATURE_NO_RECLAIM,
     "ttl",
+    "gang",
 ];
 
 /// The features announced to a new connection: [`ETCD_FEATURES`], without `no_reclaim` under
@@ -628,6 +631,8 @@ enum Msg {
     Lost { cause: String },
     /// An anchor closed.
     AnchorClosed { why: String },
+    /// A gang's task ([`gang_ops`]).
+    Gang(gang_ops::GangMsg),
 }
 
 /// The session's etcd lease.
@@ -666,6 +671,8 @@ struct Session {
     connected: bool,
     /// Set when the client cannot keep up: the connection is closed.
     slow: bool,
+    /// Gangs, waiting or granted, by name ([`gang_ops`]).
+    gangs: gang_ops::Gangs,
 }
 
 async fn session(ctx: Arc<Ctx>, mut reader: Reader, mut writer: Writer, peer: PeerInfo) {
@@ -719,6 +726,7 @@ async fn session(ctx: Arc<Ctx>, mut reader: Reader, mut writer: Writer, peer: Pe
         pending_fds: Vec::new(),
         connected: true,
         slow: false,
+        gangs: gang_ops::Gangs::new(),
     };
     s.send(
         Event::Hello {
@@ -912,6 +920,9 @@ impl Session {
     }
 
     fn cancel_wait(&mut self, resource: &str) {
+        if self.gang_cancel_wait(resource) {
+            return;
+        }
         if let Some((_holder, task)) = self.waiting.remove(resource) {
             task.abort();
             if let Some(l) = &self.lease {
@@ -974,6 +985,13 @@ impl Session {
                     let ttl_ms = ext.ttl_ms.unwrap_or(1);
                     return self.ttl_acquire(resource, holder, wait, ttl_ms).await;
                 }
+                if super::gang::is_exclusive_gang(&ext) {
+                    let members = ext.gang.unwrap_or_default();
+                    let timeout = ext.timeout_ms.map(Duration::from_millis);
+                    return self
+                        .gang_acquire(resource, holder, members, wait, timeout)
+                        .await;
+                }
                 if ext != proto::AcquireExt::default() {
                     return self.send(unsupported(&refused_kind(&ext), Some(&resource)));
                 }
@@ -984,6 +1002,9 @@ impl Session {
                 lease_id: None,
                 token: None,
             } => {
+                if self.gang_release(&resource) {
+                    return;
+                }
                 if !self.held.contains_key(&resource)
                     && !self.waiting.contains_key(&resource)
                     && self.ttl_release_resource(&resource).await
@@ -1128,6 +1149,13 @@ impl Session {
     }
 
     async fn acquire(&mut self, resource: String, holder: String, wait: bool) {
+        if let Some(code) = self.gang_member_state(&resource) {
+            return self.send(error_line(
+                code.as_str(),
+                "this connection's gang holds or waits for it",
+                Some(&resource),
+            ));
+        }
         if self.held.contains_key(&resource) {
             return self.send(error_line(
                 ErrorCode::AlreadyHeld.as_str(),
@@ -1548,6 +1576,7 @@ impl Session {
                 }
             }
             Msg::Lost { cause } => self.lost(&cause),
+            Msg::Gang(m) => self.on_gang_msg(m),
             Msg::AnchorClosed { why } => {
                 self.anchors = self.anchors.saturating_sub(1);
                 if let Some(si) = self.ctx.reg().sessions.get_mut(&self.id) {
@@ -1624,7 +1653,9 @@ impl Session {
 /// What an acquire with version-2 fields asks for, as the refusal names it.
 fn refused_kind(ext: &proto::AcquireExt) -> String {
     let kind = ext.kind().as_str();
-    let shape = if ext.gang.is_some() {
+    let shape = if ext.gang.is_some() && ext.reserve_ms.is_some() {
+        format!("a reserved (reserve_ms) gang of {kind} leases")
+    } else if ext.gang.is_some() {
         format!("a gang of {kind} leases")
     } else if ext.reserve_ms.is_some() {
         format!("a reserved {kind} lease")

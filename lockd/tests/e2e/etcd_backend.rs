@@ -555,7 +555,7 @@ fn protocol_surface_served_and_refused() {
     let hello = h.recv_until("hello", t).unwrap();
     assert_eq!(
         hello["features"],
-        serde_json::json!(["put_fenced", "delete_fenced", "no_reclaim", "ttl"]),
+        serde_json::json!(["put_fenced", "delete_fenced", "no_reclaim", "ttl", "gang"]),
         "{hello}"
     );
     h.send(serde_json::json!({"op":"ping"}));
@@ -567,7 +567,8 @@ fn protocol_surface_served_and_refused() {
     h.acquire("engine", "ha");
     assert_eq!(h.recv(t).unwrap()["code"], "already_held");
 
-    // Version-2 kinds and ops other than TTL leases (served: e2e `etcd_ttl`):
+    // Version-2 kinds and ops other than TTL leases and gangs of connection-bound exclusive
+    // leases (served: e2e `etcd_ttl`, `etcd_gang`):
     // `unsupported`, naming the etcd backend and, for an acquire, the kind asked for (the
     // table in docs/ETCD.md, "Lease kinds on this backend").
     for (req, names) in [
@@ -588,8 +589,12 @@ fn protocol_surface_served_and_refused() {
             "quantity",
         ),
         (
-            serde_json::json!({"op":"acquire","resource":"x","holder":"h","gang":["p","q"]}),
-            "a gang of",
+            serde_json::json!({"op":"acquire","resource":"x","holder":"h","gang":["p","q"],"reserve_ms":1000}),
+            "a reserved (reserve_ms) gang of exclusive leases",
+        ),
+        (
+            serde_json::json!({"op":"acquire","resource":"x","holder":"h","gang":["p","q"],"mode":"shared"}),
+            "a gang of shared leases",
         ),
         (
             serde_json::json!({"op":"acquire","resource":"x","holder":"h","gang":["p","q"],"ttl_ms":1000}),

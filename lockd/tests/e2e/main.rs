@@ -25,6 +25,7 @@ mod corrupt_state;
 mod dead_sockets_reaped;
 mod deadlock;
 mod etcd_backend;
+mod etcd_gang;
 mod etcd_metrics;
 mod etcd_tls;
 mod etcd_ttl;
