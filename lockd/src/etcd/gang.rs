@@ -86,6 +86,9 @@ pub enum GangStanding {
         position: usize,
         /// The key created just before the gang's in `member`: the one to watch.
         predecessor: String,
+        /// Its create revision (a key name can be created again: see
+        /// [`super::mutex::wait_deleted`]).
+        predecessor_rev: i64,
         /// The value of `member`'s owner (for `busy`).
         owner_value: String,
     },
@@ -136,6 +139,7 @@ pub fn standing(rev: i64, queues: &[MemberQueue], first_member_only: bool) -> Ga
                 member: q.resource.clone(),
                 position,
                 predecessor: pred.key.clone(),
+                predecessor_rev: pred.create_revision,
                 owner_value: first.value.clone(),
             }
         }
@@ -309,6 +313,7 @@ mod tests {
                 member: "a".into(),
                 position: 2,
                 predecessor: "/l/a/0000000000000007".into(),
+                predecessor_rev: 7,
                 owner_value: "o@B".into(),
             }
         );
@@ -327,6 +332,7 @@ mod tests {
                 member: "b".into(),
                 position: 3,
                 predecessor: "/l/b/0000000000000004".into(),
+                predecessor_rev: 4,
                 owner_value: "single@B".into(),
             }
         );

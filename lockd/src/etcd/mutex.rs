@@ -176,6 +176,10 @@ pub enum Standing {
         ahead: i64,
         /// The key created just before ours.
         predecessor: String,
+        /// Its create revision: the same key name can be created again (a session that
+        /// releases and acquires again puts the same key), so "still there" means "still
+        /// there with this create revision".
+        predecessor_rev: i64,
         /// The owner's value (holder@node), for `busy`.
         owner_value: String,
     },
@@ -221,13 +225,18 @@ pub async fn standing(
     Ok(Standing::Behind {
         ahead: older.len() as i64,
         predecessor: String::from_utf8_lossy(pred.key()).into_owned(),
+        predecessor_rev: pred.create_revision(),
         owner_value: String::from_utf8_lossy(first.value()).into_owned(),
     })
 }
 
-/// Wait until `key` is deleted: watch it from now, and once etcd confirms the watch, check the
-/// key still exists (a deletion before the watch began is then seen by the read, one after it
-/// by the watch: none is missed). Watching "from now" keeps the watcher in etcd's synced set;
+/// Wait until `key`, created at `create_rev`, is deleted: watch it from now, and once etcd
+/// confirms the watch, check the key still exists **with that create revision** (a deletion
+/// before the watch began is then seen by the read, one after it by the watch: none is
+/// missed). The revision matters: a session that releases and acquires again puts the same
+/// key name, and a deletion followed by that re-creation before the watch began would look
+/// like "still there" — the waiter would then wait behind a key that is now queued behind it
+/// (found by the etcd bench's 64-client throughput phase: every client stalled). Watching "from now" keeps the watcher in etcd's synced set;
 /// a watch from a past revision starts unsynced and etcd delivers its events only at its next
 /// catch-up round (every 100 ms), which is what the handoff's tail was made of. Returns true
 /// when the key is gone, false when the watch ended without seeing that (etcd cancelled it);
@@ -236,6 +245,7 @@ pub async fn wait_deleted(
     client: &mut Client,
     limit: Duration,
     key: &str,
+    create_rev: i64,
 ) -> Result<bool, EtcdError> {
     let opts = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
     let mut stream = bounded(limit, client.watch(key, Some(opts))).await?;
@@ -259,12 +269,12 @@ pub async fn wait_deleted(
             break;
         }
     }
-    let now = bounded(
-        limit,
-        client.get(key, Some(GetOptions::new().with_count_only())),
-    )
-    .await?;
-    if now.count() == 0 {
+    let now = bounded(limit, client.get(key, None)).await?;
+    if !now
+        .kvs()
+        .iter()
+        .any(|kv| kv.create_revision() == create_rev || planted_wait_by_name())
+    {
         return Ok(true);
     }
     loop {
@@ -275,6 +285,13 @@ pub async fn wait_deleted(
             Some(_) => {}
         }
     }
+}
+
+/// PLANTED BUG (tests only; `LOCKD_PLANTED_BUG_WAIT_BY_NAME=1`): [`wait_deleted`] takes any
+/// key of that name for the predecessor, as it did before the create revision was checked.
+fn planted_wait_by_name() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LOCKD_PLANTED_BUG_WAIT_BY_NAME").is_ok_and(|v| v == "1"))
 }
 
 /// Delete one key (a released lock, a cancelled wait).

@@ -1717,11 +1717,12 @@ async fn wait_predecessor(
     ctx: &Arc<Ctx>,
     client: &mut Client,
     predecessor: &str,
+    predecessor_rev: i64,
 ) -> Result<bool, EtcdError> {
     let limit = ctx.cfg.op_timeout;
     let lease = mutex::parse_lock_key(&ctx.cfg.prefix, predecessor).map(|(_, l)| l);
     let Some(lease) = lease.filter(|_| ctx.cfg.enforce_expiry) else {
-        return mutex::wait_deleted(client, limit, predecessor).await;
+        return mutex::wait_deleted(client, limit, predecessor, predecessor_rev).await;
     };
     let cfg = super::expiry::EnforceCfg {
         limit,
@@ -1737,7 +1738,7 @@ async fn wait_predecessor(
         ctx.metrics.expiry_revokes.clone(),
     );
     tokio::pin!(enforce);
-    let wait = mutex::wait_deleted(client, limit, predecessor);
+    let wait = mutex::wait_deleted(client, limit, predecessor, predecessor_rev);
     tokio::pin!(wait);
     let mut enforcing = true;
     loop {
@@ -1803,6 +1804,7 @@ async fn acquire_task(
                 Standing::Behind {
                     ahead,
                     predecessor,
+                    predecessor_rev,
                     owner_value,
                 } => {
                     if !wait {
@@ -1820,7 +1822,7 @@ async fn acquire_task(
                         });
                     }
                     debug!(session, resource = %resource, predecessor = %predecessor, "waiting for the predecessor's deletion");
-                    if wait_predecessor(&ctx, &mut client, &predecessor).await? {
+                    if wait_predecessor(&ctx, &mut client, &predecessor, predecessor_rev).await? {
                         Ok(None)
                     } else {
                         // The watch ended without the deletion: look again, after a pause.

@@ -5,17 +5,14 @@
 //! CA but an `http://` endpoint refuses to start with a clear error (exit 1). Prints SKIP
 //! without etcd or openssl.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use harness::etcd::{Etcd, TestPki};
-use harness::proc::Proc;
-use serde_json::{json, Value};
 
 use crate::common::*;
+use crate::etcd_backend::{start, Line};
 
 fn lockd_cmd(dir: &Path, name: &str, url: &str, tls: &[&Path]) -> (Command, PathBuf) {
     let sock = dir.join(format!("{name}.sock"));
@@ -30,53 +27,6 @@ fn lockd_cmd(dir: &Path, name: &str, url: &str, tls: &[&Path]) -> (Command, Path
         cmd.arg(f).arg(p);
     }
     (cmd, sock)
-}
-
-/// Connects and reads `hello` (bounded).
-fn connect(sock: &Path) -> Option<(UnixStream, BufReader<UnixStream>)> {
-    let s = UnixStream::connect(sock).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    let mut r = BufReader::new(s.try_clone().ok()?);
-    (next(&mut r)?["event"] == "hello").then_some((s, r))
-}
-
-fn next(r: &mut BufReader<UnixStream>) -> Option<Value> {
-    let mut l = String::new();
-    match r.read_line(&mut l) {
-        Ok(0) | Err(_) => None,
-        Ok(_) => serde_json::from_str(&l).ok(),
-    }
-}
-
-fn until(r: &mut BufReader<UnixStream>, event: &str) -> Value {
-    loop {
-        let v = next(r).unwrap_or_else(|| panic!("no {event} (timeout or EOF)"));
-        if v["event"] == event {
-            return v;
-        }
-    }
-}
-
-fn acquire(w: &mut UnixStream, holder: &str) {
-    let l = json!({"op":"acquire","resource":"engine","holder":holder}).to_string() + "\n";
-    w.write_all(l.as_bytes()).expect("send");
-}
-
-/// Starts a lockd that must come up (15 s).
-fn start_ok(dir: &Path, name: &str, url: &str, tls: &[&Path]) -> (Proc, PathBuf) {
-    let (cmd, sock) = lockd_cmd(dir, name, url, tls);
-    let mut p = Proc::spawn(name, cmd, dir.join(format!("{name}.log")));
-    let end = Instant::now() + Duration::from_secs(15);
-    while connect(&sock).is_none() {
-        assert!(!p.exited(), "lockd {name} exited: {}", p.log_text());
-        assert!(
-            Instant::now() < end,
-            "lockd {name} not up: {}",
-            p.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    (p, sock)
 }
 
 /// Runs a lockd that must refuse to start: its exit code and stderr (bounded, 20 s).
@@ -101,7 +51,10 @@ fn start_refused(dir: &Path, name: &str, url: &str, tls: &[&Path]) -> (i32, Stri
     };
     let mut err = String::new();
     let _ = std::io::Read::read_to_string(&mut child.stderr.take().expect("stderr"), &mut err);
-    assert!(!sock.exists() || connect(&sock).is_none(), "{name} served");
+    assert!(
+        !sock.exists() || Line::connect(&sock).is_err(),
+        "{name} served"
+    );
     (status.code().unwrap_or(-1), err)
 }
 
@@ -128,17 +81,32 @@ fn lock_over_tls_with_client_certificates_and_clear_refusals() {
     let full = [&*pki.ca, &*pki.client_cert, &*pki.client_key];
 
     // Two nodes over TLS: a clean death on A hands over to B with a higher epoch.
-    let (_a, sa) = start_ok(d.path(), "A", &url, &full);
-    let (_b, sb) = start_ok(d.path(), "B", &url, &full);
-    let (mut wa, mut ra) = connect(&sa).expect("A");
-    acquire(&mut wa, "ha");
-    let ea = until(&mut ra, "granted")["epoch"].as_u64().expect("epoch");
-    let (mut wb, mut rb) = connect(&sb).expect("B");
-    acquire(&mut wb, "hb");
-    until(&mut rb, "queued");
+    let tls: Vec<&str> = full
+        .iter()
+        .map(|p| p.to_str().expect("utf-8 path"))
+        .collect();
+    let flags = [
+        "--etcd-ca",
+        tls[0],
+        "--etcd-cert",
+        tls[1],
+        "--etcd-key",
+        tls[2],
+    ];
+    let a = start(d.path(), "A", &url, &flags, &[]);
+    let b = start(d.path(), "B", &url, &flags, &[]);
+    let limit = Duration::from_secs(10);
+    let mut holder = Line::connect(&a.sock).expect("A");
+    holder.acquire("engine", "ha");
+    let ea = holder.recv_until("granted", limit).expect("A granted")["epoch"]
+        .as_u64()
+        .expect("epoch");
+    let mut waiter = Line::connect(&b.sock).expect("B");
+    waiter.acquire("engine", "hb");
+    waiter.recv_until("queued", limit).expect("B queued");
     let t = Instant::now();
-    drop((wa, ra));
-    let g = until(&mut rb, "granted");
+    drop(holder);
+    let g = waiter.recv_until("granted", limit).expect("B granted");
     let handoff = t.elapsed();
     let eb = g["epoch"].as_u64().expect("epoch");
     assert!(eb > ea, "epoch {eb} not above {ea}");

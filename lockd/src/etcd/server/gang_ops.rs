@@ -431,6 +431,7 @@ async fn gang_wait(
                     member,
                     position,
                     predecessor,
+                    predecessor_rev,
                     owner_value,
                 } => {
                     if !wait {
@@ -451,7 +452,7 @@ async fn gang_wait(
                         }));
                     }
                     debug!(session, gang = %label, member = %member, predecessor = %predecessor, "gang waiting for the predecessor's deletion");
-                    if wait_predecessor(ctx, &mut client, &predecessor).await? {
+                    if wait_predecessor(ctx, &mut client, &predecessor, predecessor_rev).await? {
                         Ok(None)
                     } else {
                         Err(EtcdError::Unexpected(format!(

@@ -631,8 +631,12 @@ async fn wait_task(
     let outcome: Result<(), String> = loop {
         match mutex::standing(&mut client, limit, &ctx.cfg.prefix, &b.resource, rev).await {
             Ok(Standing::Owner) => break Ok(()),
-            Ok(Standing::Behind { predecessor, .. }) => {
-                match mutex::wait_deleted(&mut client, limit, &predecessor).await {
+            Ok(Standing::Behind {
+                predecessor,
+                predecessor_rev,
+                ..
+            }) => {
+                match mutex::wait_deleted(&mut client, limit, &predecessor, predecessor_rev).await {
                     Ok(_) => backoff = Duration::from_millis(20),
                     Err(e) => {
                         warn!(lease = b.id, error = %e, "ttl: waiting: etcd error; retrying");
