@@ -1112,6 +1112,22 @@ impl Session {
     }
 
     /// The session's etcd lease, granted (and its keepalive started) at first use.
+    /// [`Self::ensure_lease`], or `unavailable` answered for `name` (None then).
+    async fn lease_or_unavailable(&mut self, name: &str) -> Option<i64> {
+        match self.ensure_lease().await {
+            Ok(l) => Some(l),
+            Err(e) => {
+                warn!(session = self.id, name = %name, error = %e, "cannot get an etcd lease");
+                self.send(error_line(
+                    ErrorCode::Unavailable.as_str(),
+                    format!("etcd backend: cannot get an etcd lease: {e}"),
+                    Some(name),
+                ));
+                None
+            }
+        }
+    }
+
     async fn ensure_lease(&mut self) -> Result<i64, EtcdError> {
         if let Some(l) = &self.lease {
             return Ok(l.id);
@@ -1170,16 +1186,8 @@ impl Session {
                 Some(&resource),
             ));
         }
-        let lease = match self.ensure_lease().await {
-            Ok(l) => l,
-            Err(e) => {
-                warn!(session = self.id, resource = %resource, error = %e, "cannot get an etcd lease");
-                return self.send(error_line(
-                    ErrorCode::Unavailable.as_str(),
-                    format!("etcd backend: cannot get an etcd lease: {e}"),
-                    Some(&resource),
-                ));
-            }
+        let Some(lease) = self.lease_or_unavailable(&resource).await else {
+            return;
         };
         let key = mutex::lock_key(&self.ctx.cfg.prefix, &resource, lease);
         let value = format!("{holder}@{}", self.ctx.cfg.node);

@@ -537,46 +537,49 @@ fn stale_holders_fenced_write_is_refused() {
     drop(etcd);
 }
 
-/// The planted bug: the fence ignores its margin (tells the holder only when etcd may already
-/// expire the lease). The check of the partition test catches it: B is granted before the
-/// holder had its kill time.
-#[test]
-fn planted_bug_fence_without_margin_is_caught() {
+/// One partition trial with a planted bug on A (`env_a`) or B (`env_b`): the trial's checks
+/// must catch it — B granted before A's holder was told at all (the trial panics), or before
+/// the holder had its kill time.
+fn planted_partition_bug_is_caught(test: &str, env_a: &[(&str, &str)], env_b: &[(&str, &str)]) {
     let _process = serial();
     let d = tempfile::tempdir().unwrap();
-    let Some(etcd) = etcd_or_skip("etcd_backend::planted_bug_fence_without_margin", d.path())
-    else {
+    let Some(etcd) = etcd_or_skip(test, d.path()) else {
         return;
     };
     let proxy = Proxy::start(([127, 0, 0, 1], etcd.client_port).into());
-    let a = start(
-        d.path(),
-        "A",
-        &proxy.url(),
-        FENCE_FLAGS,
-        &[("LOCKD_PLANTED_BUG_FENCE_NO_MARGIN", "1")],
-    );
-    let b = start(d.path(), "B", &etcd.client_url, FENCE_FLAGS, &[]);
-    let holder_lost_first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+    let a = start(d.path(), "A", &proxy.url(), FENCE_FLAGS, env_a);
+    let b = start(d.path(), "B", &etcd.client_url, FENCE_FLAGS, env_b);
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         partition_trial(&a, &b, &proxy, "engine").0
     }));
-    match holder_lost_first {
-        // B granted before the holder was told at all: caught by the ordering check.
-        Err(_) => eprintln!("planted bug caught: B granted before A's holder was told"),
+    match outcome {
+        Err(_) => eprintln!("{test}: planted bug caught: B granted before A's holder was told"),
         Ok(t) => {
             eprintln!(
-                "planted bug: holder told {:.0} ms after the cut, B granted {:.0} ms later",
+                "{test}: planted bug: holder told {:.0} ms after the cut, B granted {:.0} ms later",
                 t.told_after_cut.as_secs_f64() * 1e3,
                 t.margin.as_secs_f64() * 1e3
             );
             assert!(
                 t.margin < Duration::from_millis(KILL_MS),
-                "without its margin the fence still left the kill time ({:?}): the check would not catch the bug",
+                "the planted bug still left the kill time ({:?}): the check would not catch it",
                 t.margin
             );
         }
     }
     drop(etcd);
+}
+
+/// The planted bug: the fence ignores its margin (tells the holder only when etcd may already
+/// expire the lease). The check of the partition test catches it: B is granted before the
+/// holder had its kill time.
+#[test]
+fn planted_bug_fence_without_margin_is_caught() {
+    planted_partition_bug_is_caught(
+        "etcd_backend::planted_bug_fence_without_margin",
+        &[("LOCKD_PLANTED_BUG_FENCE_NO_MARGIN", "1")],
+        &[],
+    );
 }
 
 /// The planted bug of the waiter's expiry watch (`LOCKD_PLANTED_BUG_EXPIRY_EARLY=1` on B): it
@@ -585,39 +588,11 @@ fn planted_bug_fence_without_margin_is_caught() {
 /// it was told at all).
 #[test]
 fn planted_bug_expiry_watch_revoking_early_is_caught() {
-    let _process = serial();
-    let d = tempfile::tempdir().unwrap();
-    let Some(etcd) = etcd_or_skip("etcd_backend::planted_bug_expiry_early", d.path()) else {
-        return;
-    };
-    let proxy = Proxy::start(([127, 0, 0, 1], etcd.client_port).into());
-    let a = start(d.path(), "A", &proxy.url(), FENCE_FLAGS, &[]);
-    let b = start(
-        d.path(),
-        "B",
-        &etcd.client_url,
-        FENCE_FLAGS,
+    planted_partition_bug_is_caught(
+        "etcd_backend::planted_bug_expiry_early",
+        &[],
         &[("LOCKD_PLANTED_BUG_EXPIRY_EARLY", "1")],
     );
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        partition_trial(&a, &b, &proxy, "engine").0
-    }));
-    match outcome {
-        Err(_) => eprintln!("planted bug caught: B granted before A's holder was told"),
-        Ok(t) => {
-            eprintln!(
-                "planted bug: holder told {:.0} ms after the cut, B granted {:.0} ms later",
-                t.told_after_cut.as_secs_f64() * 1e3,
-                t.margin.as_secs_f64() * 1e3
-            );
-            assert!(
-                t.margin < Duration::from_millis(KILL_MS),
-                "the early revoke still left the kill time ({:?}): the check would not catch it",
-                t.margin
-            );
-        }
-    }
-    drop(etcd);
 }
 
 /// The protocol surface on the etcd backend: what is served the same way, what is refused and

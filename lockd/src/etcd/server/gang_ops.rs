@@ -108,16 +108,8 @@ impl Session {
                 ));
             }
         }
-        let lease = match self.ensure_lease().await {
-            Ok(l) => l,
-            Err(e) => {
-                warn!(session = self.id, gang = %label, error = %e, "cannot get an etcd lease");
-                return self.send(error_line(
-                    ErrorCode::Unavailable.as_str(),
-                    format!("etcd backend: cannot get an etcd lease: {e}"),
-                    Some(&label),
-                ));
-            }
+        let Some(lease) = self.lease_or_unavailable(&label).await else {
+            return;
         };
         let keys = gang::member_keys(&self.ctx.cfg.prefix, &members, lease);
         let value = format!("{holder}@{}", self.ctx.cfg.node);
