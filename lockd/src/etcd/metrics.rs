@@ -23,7 +23,8 @@ pub struct EtcdMetrics {
     registry: Registry,
     /// Local connections open.
     pub sessions: Gauge,
-    /// Leases granted to this lockd's clients (exclusive, TTL).
+    /// Grants counted in `status` (`counters.grants`): connection-bound exclusive leases and
+    /// gangs (one per gang) granted to this lockd's clients.
     pub grants: Counter,
     /// Sessions whose holders were told `lost` by the self-fence (etcd unreachable or slow,
     /// the lease gone, a leader change under `fence`).

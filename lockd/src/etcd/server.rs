@@ -1507,7 +1507,6 @@ impl Session {
                     self.delete_in_background(key);
                     return;
                 };
-                self.ctx.metrics.grants.inc();
                 let now_ms = unix_ms();
                 {
                     let mut reg = self.ctx.reg();
@@ -1528,6 +1527,7 @@ impl Session {
                         },
                     );
                     reg.counters.grants += 1;
+                    self.ctx.metrics.grants.inc();
                     if let Some(si) = reg.sessions.get_mut(&self.id) {
                         si.waits.retain(|x| *x != resource);
                         si.holds.push(resource.clone());

@@ -283,6 +283,7 @@ impl Session {
                 );
             }
             reg.counters.grants += 1;
+            self.ctx.metrics.grants.inc();
             if let Some(si) = reg.sessions.get_mut(&self.id) {
                 si.holds.extend(members.iter().cloned());
             }
