@@ -780,6 +780,8 @@ async fn serve_etcd(a: ServeArgs, shutdown: impl std::future::Future<Output = ()
         metrics: a.metrics,
         planted_bug_expiry_early: std::env::var("LOCKD_PLANTED_BUG_EXPIRY_EARLY")
             .is_ok_and(|v| v == "1"),
+        planted_bug_credit_unconfirmed: std::env::var("LOCKD_PLANTED_BUG_CREDIT_UNCONFIRMED")
+            .is_ok_and(|v| v == "1"),
     };
     let server = match EtcdServer::bind(cfg).await {
         Ok(s) => s,

@@ -52,25 +52,47 @@ fn ms(later: u64, earlier: u64) -> f64 {
     (later as f64 - earlier as f64) / 1e3
 }
 
-/// Judges one trial. `kill_ms` is the kill budget lockd's fence promises the holder
-/// (`--etcd-kill-time`): where a fence or the watchdog is what stops the holder (lockd killed
-/// or frozen, a partition), the engine must have been dead at least that long before anyone
-/// could be granted, since a real engine may need all of it to die (the fake one dies in
-/// milliseconds, so the margin left over is the budget that was really granted).
-///
-/// `leader_change_fences`: lockd fences its holders at an etcd leader change
-/// (`--etcd-leader-change fence`, or `auto` on an etcd with the stale-leader revoke). The
-/// etcd kinds (`leader-kill`, `member-pause`) may then cost the lease, but only as a fence
-/// does: the holder's engine dead with its kill budget to spare before anyone could be
-/// granted, and another node taking over. Without it they must not move the lease at all.
-pub fn judge(
-    round: usize,
-    kind: Chaos,
-    holder: usize,
-    o: Observed,
-    kill_ms: f64,
-    leader_change_fences: bool,
-) -> Trial {
+/// What the judge holds a trial to (from the drill's settings).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    /// The kill budget lockd's fence promises the holder (`--etcd-kill-time`), ms: where a
+    /// fence or the watchdog is what stops the holder (lockd killed or frozen, a partition),
+    /// the engine must have been dead at least that long before anyone could be granted,
+    /// since a real engine may need all of it to die (the fake one dies in milliseconds, so
+    /// the margin left over is the budget that was really granted).
+    pub kill_ms: f64,
+    /// lockd fences its holders at an etcd leader change (`--etcd-leader-change fence`, or
+    /// `auto` on an etcd with the stale-leader revoke). The etcd kinds (`leader-kill`,
+    /// `member-pause`) may then cost the lease, but only as a fence does: the holder's engine
+    /// dead with its kill budget to spare before anyone could be granted, and another node
+    /// taking over. Without it they must not move the lease at all.
+    pub leader_change_fences: bool,
+    /// `T·(1 − ε)` in ms (lockd's TTL less the clock-rate bound): a leader paused at the
+    /// injection renewed nothing after it, so on an etcd with the stale-leader revoke it may,
+    /// resumed, revoke the lease as early as this after the injection — whenever the drill
+    /// happens to resume it. Under the fence a `member-pause` holder's engine must be dead
+    /// with its kill budget to spare before then.
+    pub paused_view_ms: f64,
+}
+
+impl Limits {
+    /// From the drill's TTL, drift bound and kill budget.
+    pub fn new(ttl_ms: f64, drift_ppm: u32, kill_ms: f64, leader_change_fences: bool) -> Limits {
+        Limits {
+            kill_ms,
+            leader_change_fences,
+            paused_view_ms: ttl_ms * (1.0 - f64::from(drift_ppm) / 1e6),
+        }
+    }
+}
+
+/// Judges one trial against `limits` ([`Limits`]).
+pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed, limits: &Limits) -> Trial {
+    let Limits {
+        kill_ms,
+        leader_change_fences,
+        paused_view_ms,
+    } = *limits;
     let mut v: Vec<String> = o
         .claim_violations
         .iter()
@@ -111,6 +133,19 @@ pub fn judge(
             ))
             }
             _ => {}
+        }
+        // The paused leader's own view of the lease: it saw no renewal after the injection,
+        // so the fence must not have credited one (e.g. a renewal a new leader processed that
+        // came back labelled with the old term).
+        if let (Chaos::MemberPause, true, Some(d)) =
+            (kind, fenced_by_leader_change, o.engine_dead_us)
+        {
+            let spare = paused_view_ms - ms(d, o.injected_us);
+            if spare < kill_ms {
+                v.push(format!(
+                    "the holder's engine was dead only {spare:.1} ms before the paused leader could revoke the lease ({paused_view_ms:.0} ms after the pause, whenever it resumes), less than its kill budget {kill_ms:.0} ms"
+                ));
+            }
         }
     } else {
         if let Some(g) = o.granted_us {
@@ -156,6 +191,11 @@ pub fn judge(
 mod tests {
     use super::*;
 
+    /// TTL 3 s, drift 1 %, kill budget 500 ms: a paused leader may revoke 2,970 ms in.
+    fn limits(fences: bool) -> Limits {
+        Limits::new(3000.0, 10_000, 500.0, fences)
+    }
+
     fn failover(dead: u64, deleted: u64, granted: u64) -> Observed {
         Observed {
             injected_us: 1_000_000,
@@ -174,8 +214,7 @@ mod tests {
             Chaos::Partition,
             0,
             failover(2_000_000, 3_200_000, 3_250_000),
-            500.0,
-            false,
+            &limits(false),
         );
         assert!(t.violations.is_empty(), "{:?}", t.violations);
         assert_eq!(t.margin_ms, Some(1200.0));
@@ -189,8 +228,7 @@ mod tests {
             Chaos::Partition,
             0,
             failover(3_300_000, 3_200_000, 3_400_000),
-            500.0,
-            false,
+            &limits(false),
         );
         assert_eq!(t.margin_ms, Some(-100.0));
         assert_eq!(t.violations.len(), 1, "{:?}", t.violations);
@@ -200,11 +238,11 @@ mod tests {
     #[test]
     fn a_fenced_holder_dead_with_less_than_its_kill_budget_to_spare_is_a_violation() {
         let o = failover(3_000_000, 3_150_000, 3_200_000);
-        let t = judge(0, Chaos::Partition, 0, o.clone(), 500.0, false);
+        let t = judge(0, Chaos::Partition, 0, o.clone(), &limits(false));
         assert_eq!(t.violations.len(), 1, "{:?}", t.violations);
         assert!(t.violations[0].contains("kill budget"));
         // An engine that died by itself releases its lease after its death: no budget owed.
-        assert!(judge(0, Chaos::EngineKill, 0, o, 500.0, false)
+        assert!(judge(0, Chaos::EngineKill, 0, o, &limits(false))
             .violations
             .is_empty());
     }
@@ -214,12 +252,12 @@ mod tests {
         let mut o = failover(0, 0, 0);
         o.engine_dead_us = None;
         o.claim_violations = vec!["{}".into()];
-        let t = judge(0, Chaos::EngineKill, 0, o, 500.0, false);
+        let t = judge(0, Chaos::EngineKill, 0, o, &limits(false));
         assert_eq!(t.violations.len(), 2, "{:?}", t.violations);
         let mut o = failover(2, 0, 0);
         o.key_deleted_us = None;
         o.granted_us = None;
-        let t = judge(0, Chaos::LockdKill, 0, o, 500.0, false);
+        let t = judge(0, Chaos::LockdKill, 0, o, &limits(false));
         assert!(t.violations[0].contains("no other node"));
     }
 
@@ -229,14 +267,16 @@ mod tests {
             injected_us: 5,
             ..Observed::default()
         };
-        assert!(judge(0, Chaos::MemberPause, 0, quiet.clone(), 500.0, false)
-            .violations
-            .is_empty());
+        assert!(
+            judge(0, Chaos::MemberPause, 0, quiet.clone(), &limits(false))
+                .violations
+                .is_empty()
+        );
         let mut moved = quiet;
         moved.granted_us = Some(10);
         moved.key_deleted_us = Some(9);
         moved.holder_left_active = true;
-        let t = judge(0, Chaos::LeaderKill, 0, moved, 500.0, false);
+        let t = judge(0, Chaos::LeaderKill, 0, moved, &limits(false));
         assert_eq!(t.violations.len(), 4, "{:?}", t.violations);
         assert_eq!(t.margin_ms, None);
     }
@@ -245,16 +285,16 @@ mod tests {
     fn with_fence_on_leader_change_an_etcd_kind_may_fail_over_but_only_safely() {
         // Fenced at the old term's deadline: engine dead 2.3 s in, key deleted 0.7 s later.
         let safe = failover(3_300_000, 4_000_000, 4_050_000);
-        assert!(judge(0, Chaos::LeaderKill, 0, safe.clone(), 500.0, true)
+        assert!(judge(0, Chaos::LeaderKill, 0, safe.clone(), &limits(true))
             .violations
             .is_empty());
         // The same without the fence is a lost lease.
-        assert!(!judge(0, Chaos::LeaderKill, 0, safe, 500.0, false)
+        assert!(!judge(0, Chaos::LeaderKill, 0, safe, &limits(false))
             .violations
             .is_empty());
         // Fenced, but the key went before the engine's kill budget was spent: caught.
         let short = failover(3_300_000, 3_500_000, 3_550_000);
-        let t = judge(0, Chaos::MemberPause, 0, short, 500.0, true);
+        let t = judge(0, Chaos::MemberPause, 0, short, &limits(true));
         assert_eq!(t.violations.len(), 1, "{:?}", t.violations);
         assert!(
             t.violations[0].contains("kill budget"),
@@ -263,18 +303,33 @@ mod tests {
         );
         // Key deleted before the engine died (the stale leader's revoke): caught.
         let unsafe_ = failover(3_300_000, 3_200_000, 3_250_000);
-        let t = judge(0, Chaos::MemberPause, 0, unsafe_, 500.0, true);
+        let t = judge(0, Chaos::MemberPause, 0, unsafe_, &limits(true));
         assert!(
             t.violations.iter().any(|v| v.contains("BEFORE")),
             "{:?}",
             t.violations
         );
+        // Fenced from a renewal the paused leader never saw: dead 2.6 s in, so only 370 ms
+        // before the paused leader could revoke. Its own revoke came late this time (the key
+        // went at lockd's release, 700 ms after the death); caught all the same.
+        let late = failover(3_600_000, 4_300_000, 4_350_000);
+        let t = judge(0, Chaos::MemberPause, 0, late.clone(), &limits(true));
+        assert_eq!(t.violations.len(), 1, "{:?}", t.violations);
+        assert!(
+            t.violations[0].contains("paused leader"),
+            "{:?}",
+            t.violations
+        );
+        // A killed leader revokes nothing: no such bound.
+        assert!(judge(0, Chaos::LeaderKill, 0, late, &limits(true))
+            .violations
+            .is_empty());
         // Nothing happened: fine in both modes.
         let quiet = Observed {
             injected_us: 1_000_000,
             ..Observed::default()
         };
-        assert!(judge(0, Chaos::MemberPause, 0, quiet, 500.0, true)
+        assert!(judge(0, Chaos::MemberPause, 0, quiet, &limits(true))
             .violations
             .is_empty());
     }

@@ -105,7 +105,7 @@ fn summarize(kind: Chaos, trials: &[Trial]) -> Option<KindSummary> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nodes::judge::{judge, Observed};
+    use crate::nodes::judge::{judge, Limits, Observed};
 
     #[test]
     fn per_kind_figures_from_the_trials() {
@@ -120,8 +120,7 @@ mod tests {
                     granted_us: Some(grant),
                     ..Observed::default()
                 },
-                500.0,
-                false,
+                &Limits::new(2000.0, 10_000, 500.0, false),
             )
         };
         let r = Report::new(

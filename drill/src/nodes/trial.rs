@@ -8,7 +8,7 @@ use nix::sys::signal::Signal;
 use probes::Phase;
 
 use super::chaos::Chaos;
-use super::judge::{judge, Observed, Trial};
+use super::judge::{judge, Limits, Observed, Trial};
 use super::watch::{DeathWatch, KeyWatch};
 use super::world::{World, KEY_PREFIX};
 use crate::procs::now_us;
@@ -150,8 +150,12 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
         kind,
         holder,
         o,
-        w.cfg.kill_time.as_secs_f64() * 1e3,
-        w.leader_change_fences,
+        &Limits::new(
+            w.cfg.ttl.as_secs_f64() * 1e3,
+            w.cfg.drift_ppm,
+            w.cfg.kill_time.as_secs_f64() * 1e3,
+            w.leader_change_fences,
+        ),
     ))
 }
 

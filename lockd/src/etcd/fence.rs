@@ -28,7 +28,16 @@
 //!
 //! Opt-in ([`Fence::freeze_on_term_change`]): once an answer of a newer etcd raft term arrives
 //! (`Term`, fed before the answer), nothing more is credited, against etcd < 3.4.31's stale
-//! leader revoking the lease when it resumes.
+//! leader revoking the lease when it resumes. With it, an answer is credited only once a
+//! linearizable read issued after it comes back in the same term (`Confirmed`): the term in a
+//! keepalive answer's header was read *before* the renewal (and is the member's last
+//! *applied* entry's term), so a renewal forwarded to a newly elected leader can come back
+//! labelled with the old term; crediting it would put the deadline past the stalled old
+//! leader's view of the lease (seen in the drill: margin 7 ms of a 500 ms kill budget). A
+//! linearizable read is served only by a leader that has committed an entry of its own term
+//! and confirmed its leadership with a quorum, and its header is filled after the member has
+//! applied that entry: a read issued after the answer and answered in the old term proves no
+//! newer leader existed when the renewal was processed, so the old leader processed it.
 //!
 //! [`Fence::step`] returns what changed; the driver logs one line per transition, sleeps
 //! until [`Fence::deadline`], and on [`FenceOutput::Lost`] sends every local holder of the
@@ -83,6 +92,16 @@ pub enum FenceInput {
     Term {
         /// The raft term.
         term: u64,
+    },
+    /// A linearizable read, issued when [`Fence::acks_seen`] was `acks_before`, was answered
+    /// in this raft term (its header's `raft_term`, filled after the read). With
+    /// [`Fence::freeze_on_term_change`], the answers held before it are credited if this is
+    /// still the term the fence started in.
+    Confirmed {
+        /// The read's raft term.
+        term: u64,
+        /// [`Fence::acks_seen`] when the read was issued.
+        acks_before: u64,
     },
     /// The keepalive stream was replaced: its unanswered sends can never be credited.
     StreamReset,
@@ -149,6 +168,13 @@ pub struct Fence {
     term: Option<u64>,
     /// A term change was seen with `freeze_on_term_change`: nothing is credited any more.
     frozen: bool,
+    /// With `freeze_on_term_change`: answers wait for a `Confirmed` read before they are
+    /// credited (off only with the planted bug).
+    confirm: bool,
+    /// Positive answers held so far (the sequence number of the next one).
+    acks: u64,
+    /// Answers held for confirmation: (sequence number, send time, TTL), oldest first.
+    held: VecDeque<(u64, Instant, i64)>,
     phase: Phase,
     /// Send times of the keepalives of the current stream not answered yet, oldest first.
     pending: VecDeque<Instant>,
@@ -167,6 +193,9 @@ impl Fence {
             freeze_on_term_change: false,
             term: None,
             frozen: false,
+            confirm: false,
+            acks: 0,
+            held: VecDeque::new(),
             phase: Phase::Idle,
             pending: VecDeque::new(),
         }
@@ -186,9 +215,34 @@ impl Fence {
     /// a newer term arrives, the deadline stays where the old term's answers put it (answers
     /// of the new term are not credited; TTL ≤ 0 is still lost at once). The cost: every etcd
     /// leader change — a kill or a restart as well as a stall — ends in this session's fence.
+    ///
+    /// An answer's own term does not show which leader renewed (see the module docs), so with
+    /// this an answer is held until a linearizable read issued after it is answered in the
+    /// same term ([`FenceInput::Confirmed`]).
     pub fn freeze_on_term_change(mut self) -> Fence {
         self.freeze_on_term_change = true;
+        self.confirm = true;
         self
+    }
+
+    /// The planted bug of the paused-leader test: with [`Fence::freeze_on_term_change`],
+    /// credit an answer of the old term at once, without a confirming read (a renewal that a
+    /// new leader processed, labelled with the old term, moves the deadline past the old
+    /// leader's view of the lease).
+    pub fn planted_bug_credit_unconfirmed(mut self) -> Fence {
+        self.confirm = false;
+        self
+    }
+
+    /// Positive answers held so far: a read issued now confirms those before this number.
+    pub fn acks_seen(&self) -> u64 {
+        self.acks
+    }
+
+    /// Answers are waiting for a confirming read: the driver should issue one (a
+    /// linearizable read) and feed its term as [`FenceInput::Confirmed`].
+    pub fn needs_confirmation(&self) -> bool {
+        !self.held.is_empty()
     }
 
     /// The current phase.
@@ -238,16 +292,38 @@ impl Fence {
                 None
             }
             FenceInput::Acked { ttl_secs } => match self.pending.pop_front() {
+                Some(sent_at) if ttl_secs > 0 && self.confirm => {
+                    if !self.frozen {
+                        if self.held.len() == MAX_PENDING {
+                            self.held.pop_front();
+                        }
+                        self.held.push_back((self.acks, sent_at, ttl_secs));
+                        self.acks += 1;
+                    }
+                    None
+                }
                 Some(sent_at) => self.credit(sent_at, ttl_secs),
                 // An answer to nothing we sent on this stream: credit nothing.
                 None => None,
             },
             FenceInput::Term { term } => {
-                if self.term.is_some_and(|t| term > t) && self.freeze_on_term_change {
-                    self.frozen = true;
-                }
-                self.term = Some(self.term.map_or(term, |t| t.max(term)));
+                self.see_term(term);
                 None
+            }
+            FenceInput::Confirmed { term, acks_before } => {
+                self.see_term(term);
+                let mut out = None;
+                while let Some(&(seq, sent_at, ttl_secs)) = self.held.front() {
+                    if seq >= acks_before {
+                        break;
+                    }
+                    self.held.pop_front();
+                    // Only a read of the fence's own term proves the old leader renewed.
+                    if !self.frozen && self.term == Some(term) {
+                        out = self.credit(sent_at, ttl_secs).or(out);
+                    }
+                }
+                out
             }
             FenceInput::StreamReset => {
                 self.pending.clear();
@@ -255,6 +331,15 @@ impl Fence {
             }
             FenceInput::Tick => None,
         }
+    }
+
+    fn see_term(&mut self, term: u64) {
+        if self.term.is_some_and(|t| term > t) && self.freeze_on_term_change {
+            self.frozen = true;
+            // Held answers may have been renewed by the new leader: never credited.
+            self.held.clear();
+        }
+        self.term = Some(self.term.map_or(term, |t| t.max(term)));
     }
 
     fn check_deadline(&mut self, now: Instant) -> Option<FenceOutput> {
@@ -272,6 +357,7 @@ impl Fence {
         }
         self.phase = Phase::Lost;
         self.pending.clear();
+        self.held.clear();
         Some(FenceOutput::Lost {
             cause: LostCause::DeadlinePassed {
                 since_last_ack: now.saturating_duration_since(last),
@@ -284,6 +370,7 @@ impl Fence {
         if ttl_secs <= 0 {
             self.phase = Phase::Lost;
             self.pending.clear();
+            self.held.clear();
             return Some(FenceOutput::Lost {
                 cause: LostCause::EtcdExpired,
             });
@@ -572,11 +659,21 @@ mod tests {
                 ttl_secs: 2,
             },
         );
-        // Same term: credited.
+        // Same term, confirmed by a read of the same term: credited.
         f.step(t0 + ms(500), FenceInput::Sent);
         f.step(t0 + ms(505), FenceInput::Term { term: 3 });
         assert_eq!(
             f.step(t0 + ms(505), FenceInput::Acked { ttl_secs: 2 }),
+            None
+        );
+        assert_eq!(
+            f.step(
+                t0 + ms(507),
+                FenceInput::Confirmed {
+                    term: 3,
+                    acks_before: f.acks_seen()
+                }
+            ),
             Some(FenceOutput::Renewed {
                 deadline: t0 + ms(1880)
             })
@@ -632,6 +729,177 @@ mod tests {
                 cause: LostCause::DeadlinePassed { .. }
             })
         ));
+    }
+
+    fn granted_in_term(term: u64, t0: Instant) -> Fence {
+        let mut f = fence().freeze_on_term_change();
+        f.step(t0, FenceInput::Term { term });
+        f.step(
+            t0,
+            FenceInput::Granted {
+                sent_at: t0,
+                ttl_secs: 2,
+            },
+        );
+        f
+    }
+
+    #[test]
+    fn with_freeze_an_answer_waits_for_a_read_issued_after_it() {
+        let t0 = Instant::now();
+        let mut f = granted_in_term(3, t0);
+        assert!(!f.needs_confirmation());
+        f.step(t0 + ms(500), FenceInput::Sent);
+        // A read issued before the answer arrived proves nothing about it.
+        let before = f.acks_seen();
+        f.step(t0 + ms(505), FenceInput::Term { term: 3 });
+        assert_eq!(
+            f.step(t0 + ms(505), FenceInput::Acked { ttl_secs: 2 }),
+            None
+        );
+        assert!(f.needs_confirmation());
+        assert_eq!(
+            f.step(
+                t0 + ms(506),
+                FenceInput::Confirmed {
+                    term: 3,
+                    acks_before: before
+                }
+            ),
+            None
+        );
+        assert_eq!(f.deadline(), Some(t0 + ms(1380)));
+        // The next read, issued after it, credits it with its send time.
+        let after = f.acks_seen();
+        assert_eq!(
+            f.step(
+                t0 + ms(520),
+                FenceInput::Confirmed {
+                    term: 3,
+                    acks_before: after
+                }
+            ),
+            Some(FenceOutput::Renewed {
+                deadline: t0 + ms(500 + 1380)
+            })
+        );
+        assert!(!f.needs_confirmation());
+    }
+
+    /// The drill's finding (margin 7 ms of a 500 ms kill budget): etcd's leader is paused; a
+    /// follower fills a keepalive answer's header with the old term, then forwards the renewal
+    /// to the newly elected leader. The old leader never saw that renewal and, resumed,
+    /// revokes the lease at its own view's end. The read after the answer is in the new term:
+    /// the answer is never credited, the deadline stays at the old leader's view.
+    #[test]
+    fn a_renewal_the_new_leader_processed_under_the_old_terms_label_is_not_credited() {
+        let t0 = Instant::now();
+        for bug in [false, true] {
+            let mut f = granted_in_term(3, t0);
+            if bug {
+                f = f.planted_bug_credit_unconfirmed();
+            }
+            // t0 + 400: the leader stops. The keepalive sent at 900 reaches a follower still
+            // at term 3, which forwards it to the new leader (term 4).
+            f.step(t0 + ms(900), FenceInput::Sent);
+            f.step(t0 + ms(902), FenceInput::Term { term: 3 });
+            let credited = f.step(t0 + ms(902), FenceInput::Acked { ttl_secs: 2 });
+            let read = f.step(
+                t0 + ms(904),
+                FenceInput::Confirmed {
+                    term: 4,
+                    acks_before: f.acks_seen(),
+                },
+            );
+            // The old leader's view ends at 0 + 2000: holders must be dead by then.
+            if bug {
+                assert!(credited.is_some(), "the planted bug credits at once");
+                assert_eq!(f.deadline(), Some(t0 + ms(900 + 1380)));
+            } else {
+                assert_eq!((credited, read), (None, None));
+                assert_eq!(f.deadline(), Some(t0 + ms(1380)));
+                // Nothing later revives it, not even a read of the old term.
+                f.step(t0 + ms(1000), FenceInput::Sent);
+                f.step(t0 + ms(1001), FenceInput::Term { term: 3 });
+                f.step(t0 + ms(1001), FenceInput::Acked { ttl_secs: 2 });
+                assert!(!f.needs_confirmation());
+                f.step(
+                    t0 + ms(1002),
+                    FenceInput::Confirmed {
+                        term: 3,
+                        acks_before: f.acks_seen(),
+                    },
+                );
+                assert_eq!(f.deadline(), Some(t0 + ms(1380)));
+                assert!(matches!(
+                    f.step(t0 + ms(1380), FenceInput::Tick),
+                    Some(FenceOutput::Lost { .. })
+                ));
+            }
+        }
+    }
+
+    #[test]
+    fn with_freeze_a_confirmed_batch_credits_its_latest_send_and_ttl_zero_is_still_at_once() {
+        let t0 = Instant::now();
+        let mut f = granted_in_term(5, t0);
+        for at in [300u64, 600, 900] {
+            f.step(t0 + ms(at), FenceInput::Sent);
+        }
+        for at in [301u64, 601, 901] {
+            f.step(t0 + ms(at), FenceInput::Term { term: 5 });
+            assert_eq!(f.step(t0 + ms(at), FenceInput::Acked { ttl_secs: 2 }), None);
+        }
+        assert_eq!(
+            f.step(
+                t0 + ms(905),
+                FenceInput::Confirmed {
+                    term: 5,
+                    acks_before: f.acks_seen()
+                }
+            ),
+            Some(FenceOutput::Renewed {
+                deadline: t0 + ms(900 + 1380)
+            })
+        );
+        f.step(t0 + ms(1000), FenceInput::Sent);
+        assert_eq!(
+            f.step(t0 + ms(1001), FenceInput::Acked { ttl_secs: 0 }),
+            Some(FenceOutput::Lost {
+                cause: LostCause::EtcdExpired
+            })
+        );
+    }
+
+    #[test]
+    fn without_freeze_answers_are_credited_at_once_and_reads_change_nothing() {
+        let t0 = Instant::now();
+        let mut f = fence();
+        f.step(t0, FenceInput::Term { term: 3 });
+        f.step(
+            t0,
+            FenceInput::Granted {
+                sent_at: t0,
+                ttl_secs: 2,
+            },
+        );
+        f.step(t0 + ms(500), FenceInput::Sent);
+        f.step(t0 + ms(501), FenceInput::Term { term: 4 });
+        assert!(f
+            .step(t0 + ms(501), FenceInput::Acked { ttl_secs: 2 })
+            .is_some());
+        assert!(!f.needs_confirmation());
+        assert_eq!(
+            f.step(
+                t0 + ms(502),
+                FenceInput::Confirmed {
+                    term: 5,
+                    acks_before: 9
+                }
+            ),
+            None
+        );
+        assert_eq!(f.deadline(), Some(t0 + ms(500 + 1380)));
     }
 
     #[test]

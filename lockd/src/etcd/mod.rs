@@ -101,6 +101,10 @@ pub struct EtcdConfig {
     /// PLANTED BUG (tests only; `LOCKD_PLANTED_BUG_EXPIRY_EARLY=1`): that revoke comes at
     /// the first "0 s left", up to a second early.
     pub planted_bug_expiry_early: bool,
+    /// PLANTED BUG (tests only; `LOCKD_PLANTED_BUG_CREDIT_UNCONFIRMED=1`): when fencing at
+    /// leader changes, credit a keepalive answer of the old term at once, without the
+    /// linearizable read that proves the old leader renewed ([`fence`]).
+    pub planted_bug_credit_unconfirmed: bool,
 }
 
 /// TLS to etcd: the CA that signed etcd's serving certificate and, for etcd's

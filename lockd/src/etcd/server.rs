@@ -362,6 +362,9 @@ impl EtcdServer {
         if cfg.planted_bug_no_margin {
             warn!("PLANTED BUG: the self-fence ignores its margin (holders are told only at the lease's expiry)");
         }
+        if cfg.planted_bug_credit_unconfirmed {
+            warn!("PLANTED BUG: at leader changes the self-fence credits keepalive answers of the old term without a confirming read");
+        }
         let freeze = cfg.leader_change.fences(&etcd_version);
         match stale_leader_revokes(&etcd_version) {
             Some(true) if freeze => {
@@ -1858,6 +1861,33 @@ async fn acquire_task(
     }
 }
 
+/// A linearizable read in flight for [`FenceInput::Confirmed`]: (`acks_before`, the raft
+/// term in its header, None if it failed).
+type ConfirmRead = std::pin::Pin<Box<dyn std::future::Future<Output = (u64, Option<u64>)> + Send>>;
+
+/// Issue the read that confirms the keepalive answers held before `acks_before`
+/// ([`Fence::freeze_on_term_change`]): a linearizable (etcd-client's default, not
+/// `with_serializable`) count-only get of one key. etcd serves it only through a leader that
+/// has committed an entry of its own term and confirmed its leadership with a quorum (etcd
+/// v3.4 raft: ReadIndex is postponed until the first commit in the term, etcd PR #14258), and
+/// fills the header's `raft_term` after applying up to that entry
+/// (server/etcdserver/api/v3rpc/key.go `Range`: `hdr.fill` after `kv.Range`; `raft_term` is
+/// the last applied entry's term, server.go `apply` → `setTerm`). So the old term here proves
+/// the renewals answered before the read were processed by the old term's leader.
+fn confirm_read(ctx: &Arc<Ctx>, acks_before: u64) -> ConfirmRead {
+    let mut client = ctx.client.clone();
+    let key = format!("{}.term-probe", ctx.cfg.prefix);
+    let limit = ctx.cfg.op_timeout;
+    Box::pin(async move {
+        let opts = etcd_client::GetOptions::new().with_count_only();
+        let term = mutex::bounded(limit, client.get(key, Some(opts)))
+            .await
+            .ok()
+            .and_then(|r| r.header().map(|h| h.raft_term()));
+        (acks_before, term)
+    })
+}
+
 /// Keep the session's lease alive and run its fence; on loss, tell the session and stop.
 #[allow(clippy::too_many_arguments)]
 async fn keep_alive(
@@ -1876,6 +1906,9 @@ async fn keep_alive(
     }
     if ctx.freeze_on_term_change {
         fence = fence.freeze_on_term_change();
+        if ctx.cfg.planted_bug_credit_unconfirmed {
+            fence = fence.planted_bug_credit_unconfirmed();
+        }
     }
     let ttl = Duration::from_secs(u64::try_from(ttl_secs.max(1)).unwrap_or(1));
     let margin = if ctx.cfg.planted_bug_no_margin {
@@ -1934,6 +1967,9 @@ async fn keep_alive(
     // revoke this lease when it resumes (etcd-io/etcd#15247): logged, so that a loss can be
     // told apart afterwards.
     let mut last_term: Option<u64> = None;
+    // With the fence at leader changes: the linearizable read that confirms the answers held
+    // so far (`Fence::needs_confirmation`), resolving to (`acks_before`, its raft term).
+    let mut confirm: Option<ConfirmRead> = None;
     loop {
         // (Re)open the keepalive stream, watching the deadline meanwhile.
         let deadline = fence
@@ -2020,12 +2056,34 @@ async fn keep_alive(
                             let _ = tx.send(Msg::Lost { cause: c });
                             return;
                         }
+                        if confirm.is_none() && fence.needs_confirmation() {
+                            confirm = Some(confirm_read(&ctx, fence.acks_seen()));
+                        }
                     }
                     Ok(None) | Err(_) => {
                         debug!(session, lease = %lease_hex, "keepalive stream ended; reopening");
                         break;
                     }
                 },
+                read = async { confirm.as_mut().expect("guarded by is_some").await }, if confirm.is_some() => {
+                    confirm = None;
+                    let (acks_before, term) = read;
+                    // A failed read confirms nothing: the next answer issues another.
+                    if let Some(term) = term.filter(|t| *t != 0) {
+                        if last_term.is_some_and(|old| term > old) {
+                            info!(session, lease = %lease_hex, from_term = ?last_term, to_term = term,
+                                "etcd's raft term changed (seen by the read confirming the keepalive answers): they are not credited");
+                        }
+                        debug!(session, lease = %lease_hex, term, acks_before, "keepalive answers confirmed by a linearizable read");
+                        if let Some(c) = report(fence.step(Instant::now(), FenceInput::Confirmed { term, acks_before })) {
+                            let _ = tx.send(Msg::Lost { cause: c });
+                            return;
+                        }
+                        if fence.needs_confirmation() {
+                            confirm = Some(confirm_read(&ctx, fence.acks_seen()));
+                        }
+                    }
+                }
                 _ = tokio::time::sleep_until(deadline) => {
                     if let Some(c) = report(fence.step(Instant::now(), FenceInput::Tick)) {
                         let _ = tx.send(Msg::Lost { cause: c });
