@@ -26,6 +26,11 @@ pub struct Observed {
     /// Lines the fake engines appended to the GPU claim's violations file since the previous
     /// trial's end (the ground truth: an engine found the claim held by another).
     pub claim_violations: Vec<String>,
+    /// When the holder's supervisor left Active after the injection, and the event that made
+    /// it (from its log: e.g. `Revoked("lost: … not renewed for 2270 ms …")`). Diagnostics:
+    /// printed with a violation, not judged.
+    #[serde(default)]
+    pub holder_left: Option<(u64, String)>,
 }
 
 /// One trial's result, as reported.

@@ -112,7 +112,28 @@ pub fn trial_line(t: &Trial) -> String {
         if t.violations.is_empty() {
             "ok".to_string()
         } else {
-            format!("VIOLATION: {}", t.violations.join("; "))
+            format!(
+                "VIOLATION: {} [{}]",
+                t.violations.join("; "),
+                timeline(&t.observed)
+            )
         }
+    )
+}
+
+/// What a violating trial's line adds: the holder's times after the injection.
+fn timeline(o: &judge::Observed) -> String {
+    let after = |us: Option<u64>| {
+        us.map_or("-".to_string(), |u| {
+            format!("+{:.0} ms", (u as f64 - o.injected_us as f64) / 1e3)
+        })
+    };
+    format!(
+        "holder left Active {} by {}; engine dead {}; key deleted {}; granted {}",
+        after(o.holder_left.as_ref().map(|h| h.0)),
+        o.holder_left.as_ref().map_or("-", |h| h.1.as_str()),
+        after(o.engine_dead_us),
+        after(o.key_deleted_us),
+        after(o.granted_us)
     )
 }

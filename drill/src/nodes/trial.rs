@@ -137,6 +137,10 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
     // A deletion seen up to here counts (the watch's own delay is milliseconds).
     std::thread::sleep(Duration::from_millis(100));
     o.engine_dead_us = death.dead_us();
+    o.holder_left = w.nodes[holder]
+        .side
+        .as_ref()
+        .and_then(|s| logged_leaving_active(&s.proc.log_text(), injected_us));
     o.key_deleted_us = keys.iter().filter_map(|k| k.deleted_us(&key)).min();
     let mut claims = w.claim_violations();
     let now = claims.len();
@@ -241,8 +245,40 @@ fn logged_waking(log: &str, since_us: u64) -> Option<u64> {
         .find(|at| *at >= since_us)
 }
 
+/// The first transition out of Active at or after `since_us` in a supervisor's log: its
+/// time and its event (`transition … from="active" to="dead" event=Revoked("…") at_unix_us=…`).
+fn logged_leaving_active(log: &str, since_us: u64) -> Option<(u64, String)> {
+    log.lines()
+        .filter(|l| l.contains(" transition ") && l.contains("from=\"active\""))
+        .filter_map(|l| {
+            let at_from = l.find(" at_unix_us=")?;
+            let digits: String = l[at_from + " at_unix_us=".len()..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            let event = l[..at_from]
+                .find("event=")
+                .map(|e| l[e + "event=".len()..at_from].to_string())
+                .unwrap_or_default();
+            Some((digits.parse().ok()?, event))
+        })
+        .find(|(at, _)| *at >= since_us)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_holders_move_out_of_active_is_found_with_its_event() {
+        let log = "a transition engine_id=0 from=\"standby\" to=\"waking\" event=LockGranted at_unix_us=90\n\
+                   b transition engine_id=0 from=\"active\" to=\"dead\" event=Revoked(\"lost: x\") at_unix_us=100\n\
+                   c transition engine_id=0 from=\"active\" to=\"dead\" event=Revoked(\"lost: y\") at_unix_us=300\n";
+        assert_eq!(
+            super::logged_leaving_active(log, 200),
+            Some((300, "Revoked(\"lost: y\")".to_string()))
+        );
+        assert_eq!(super::logged_leaving_active(log, 301), None);
+    }
+
     #[test]
     fn a_logged_waking_transition_is_found_after_the_injection() {
         let log = "x transition from=\"standby\" to=\"waking\" event=LockGranted at_unix_us=100\n\
