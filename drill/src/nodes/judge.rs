@@ -91,6 +91,20 @@ impl Limits {
     }
 }
 
+/// When the holder's kill budget started: when its supervisor left Active after the
+/// injection (the fence's `revoked`, or its own watchdog), or, if that is unknown or later,
+/// when its engine was seen dead. The budget is what the fence promises from the moment the
+/// holder is told (lockd's margin covers its own lateness before that, `--etcd-pause`);
+/// counting from the death would charge the kill itself (and the reaping, slow on a loaded
+/// machine) against it.
+fn told(o: &Observed, dead_us: u64) -> u64 {
+    o.holder_left
+        .as_ref()
+        .map(|h| h.0)
+        .filter(|t| *t >= o.injected_us)
+        .map_or(dead_us, |t| t.min(dead_us))
+}
+
 /// Judges one trial against `limits` ([`Limits`]).
 pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed, limits: &Limits) -> Trial {
     let Limits {
@@ -130,10 +144,11 @@ pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed, limits: &Lim
                 ms(d, g)
             )),
             (Some(d), Some(g))
-                if (kind.fenced() || fenced_by_leader_change) && ms(g, d) < kill_ms =>
+                if (kind.fenced() || fenced_by_leader_change) && ms(g, told(&o, d)) < kill_ms =>
             {
                 v.push(format!(
-                "the holder's engine was dead only {:.1} ms before anyone could be granted, less than its kill budget {kill_ms:.0} ms",
+                "the holder was told to fence only {:.1} ms before anyone could be granted (its engine dead {:.1} ms before), less than its kill budget {kill_ms:.0} ms",
+                ms(g, told(&o, d)),
                 ms(g, d)
             ))
             }
@@ -145,10 +160,10 @@ pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed, limits: &Lim
         if let (Chaos::MemberPause, true, Some(d)) =
             (kind, fenced_by_leader_change, o.engine_dead_us)
         {
-            let spare = paused_view_ms - ms(d, o.injected_us);
+            let spare = paused_view_ms - ms(told(&o, d), o.injected_us);
             if spare < kill_ms {
                 v.push(format!(
-                    "the holder's engine was dead only {spare:.1} ms before the paused leader could revoke the lease ({paused_view_ms:.0} ms after the pause, whenever it resumes), less than its kill budget {kill_ms:.0} ms"
+                    "the holder was told to fence only {spare:.1} ms before the paused leader could revoke the lease ({paused_view_ms:.0} ms after the pause, whenever it resumes), less than its kill budget {kill_ms:.0} ms"
                 ));
             }
         }
@@ -250,6 +265,29 @@ mod tests {
         assert!(judge(0, Chaos::EngineKill, 0, o, &limits(false))
             .violations
             .is_empty());
+    }
+
+    #[test]
+    fn the_kill_budget_counts_from_when_the_holder_was_told() {
+        // Told at 2.3 s, engine seen dead only at 2.99 s (a slow reap), key gone at 3.0 s:
+        // 700 ms from the telling, the budget was there.
+        let mut o = failover(2_990_000, 3_000_000, 3_050_000);
+        o.holder_left = Some((2_300_000, "Revoked(\"lost: …\")".into()));
+        let t = judge(0, Chaos::Partition, 0, o.clone(), &limits(false));
+        assert!(t.violations.is_empty(), "{:?}", t.violations);
+        // Without the telling's time the death counts: 10 ms, caught.
+        o.holder_left = None;
+        let t = judge(0, Chaos::Partition, 0, o.clone(), &limits(false));
+        assert!(
+            t.violations[0].contains("kill budget"),
+            "{:?}",
+            t.violations
+        );
+        // Told late (2.9 s, 100 ms before the key went): caught, whatever the death.
+        o.holder_left = Some((2_900_000, "Revoked(\"lost: …\")".into()));
+        o.engine_dead_us = Some(2_900_500);
+        let t = judge(0, Chaos::Partition, 0, o, &limits(false));
+        assert!(t.violations[0].contains("told"), "{:?}", t.violations);
     }
 
     #[test]
