@@ -852,13 +852,11 @@ fn run_histories(cases: u32, planted: Planted, overlap: bool) -> Result<u64, Str
         ..PtConfig::default()
     };
     // A planted bug must be caught every time: those runs use a fixed seed (the clean run
-    // explores new histories on every CI run).
-    let planted_any = planted.grant_not_persisted
-        || planted.ttl_ignores_holder
-        || planted.gang_partial
-        || planted.kind_gang_partial
-        || planted.stale_wait_edges
-        || overlap;
+    // explores new histories on every CI run). Any planted bug, not a list of them: the list
+    // once missed `shared_gang_unfenced`, whose test then failed now and then (under load in
+    // session 11, in a clean-clone CI run in session 12) when its random histories missed the
+    // bug.
+    let planted_any = planted != Planted::default() || overlap;
     let mut runner = if planted_any {
         TestRunner::new_with_rng(
             config,

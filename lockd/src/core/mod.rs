@@ -725,7 +725,7 @@ impl Core {
 
 /// Bugs the property test of the kinds must catch (`core::kinds_model`).
 #[cfg(test)]
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Planted {
     /// A version-2 grant does not ask for a durable write (sent before it is durable).
     pub grant_not_persisted: bool,
