@@ -106,6 +106,26 @@ def check(docs):
                     fail(f"{name}: {path} not from a Secret volume")
         elif any(f is not None for f in tls_flags):
             fail(f"{name}: TLS flags with http:// endpoints: {eps}")
+        # etcd authentication: the password as a file of a read-only Secret mount, never a
+        # flag value; the user from that Secret through LOCKD_ETCD_USER.
+        pw = flag(lc, "--etcd-password-file")
+        user_env = [v for v in lockd[0].get("env", []) if v["name"] == "LOCKD_ETCD_USER"]
+        if "--etcd-password" in lc:
+            fail(f"{name}: an etcd password on the command line")
+        if pw is not None:
+            mounts = {m["mountPath"]: m for m in lockd[0].get("volumeMounts", [])}
+            vols = {v["name"]: v for v in pod.get("volumes", [])}
+            m = mounts.get(pw.rsplit("/", 1)[0])
+            if m is None or not m.get("readOnly"):
+                fail(f"{name}: {pw} not on a read-only mount of the lockd container")
+            secret = vols.get(m["name"], {}).get("secret")
+            if secret is None:
+                fail(f"{name}: {pw} not from a Secret volume")
+            ref = user_env[0].get("valueFrom", {}).get("secretKeyRef") if user_env else None
+            if "--etcd-user" not in lc and (ref is None or ref.get("name") != secret["secretName"]):
+                fail(f"{name}: --etcd-password-file without the user from the same Secret")
+        elif user_env or "--etcd-user" in lc:
+            fail(f"{name}: an etcd user without --etcd-password-file")
         ttl = dur_ms(flag(lc, "--etcd-ttl"))
         kill = dur_ms(flag(lc, "--etcd-kill-time"))
         margin = ttl // 100 + 100 + kill
@@ -191,6 +211,27 @@ def main():
                 print(f"caught: https:// without --etcd-key -> mutant: {e}")
             else:
                 print("FAIL: self-test: the checker accepted https:// without a client key", file=sys.stderr)
+                sys.exit(1)
+            # ... and the etcd password file moved off its Secret (a mount not read-only).
+            with open(p) as f:
+                docs = [d for d in yaml.safe_load_all(f) if d]
+            mutated = False
+            for d in docs:
+                if d.get("kind") == "Deployment":
+                    for c in d["spec"]["template"]["spec"]["initContainers"]:
+                        for m in c.get("volumeMounts", []):
+                            if m.get("name") == "etcd-auth":
+                                m["readOnly"] = False
+                                mutated = True
+            if not mutated:
+                print("FAIL: self-test: no etcd-auth mount (is authSecret rendered?)", file=sys.stderr)
+                sys.exit(1)
+            try:
+                check(docs)
+            except Bad as e:
+                print(f"caught: a writable etcd password mount -> mutant: {e}")
+            else:
+                print("FAIL: self-test: the checker accepted a writable etcd password mount", file=sys.stderr)
                 sys.exit(1)
 
 

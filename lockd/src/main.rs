@@ -289,6 +289,14 @@ struct EtcdArgs {
     /// TLS to etcd: the client certificate's private key (PEM).
     #[arg(long, env = "LOCKD_ETCD_KEY", requires = "etcd_cert")]
     etcd_key: Option<PathBuf>,
+    /// etcd user, for an etcd with authentication enabled (`etcdctl auth enable`); its role
+    /// needs readwrite on the key prefix. The password comes from --etcd-password-file.
+    #[arg(long, env = "LOCKD_ETCD_USER", requires = "etcd_password_file")]
+    etcd_user: Option<String>,
+    /// File holding the etcd user's password (its first line). A file, not a flag: command
+    /// lines are readable by every process in /proc.
+    #[arg(long, env = "LOCKD_ETCD_PASSWORD_FILE", requires = "etcd_user")]
+    etcd_password_file: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -752,6 +760,23 @@ async fn serve_etcd(a: ServeArgs, shutdown: impl std::future::Future<Output = ()
             return ExitCode::from(EXIT_ERROR);
         }
     };
+    let auth = match (e.etcd_user, &e.etcd_password_file) {
+        (Some(user), Some(p)) => match std::fs::read_to_string(p) {
+            Ok(text) => {
+                let password = text.lines().next().unwrap_or("").to_string();
+                if password.is_empty() {
+                    eprintln!("lockd: --etcd-password-file {}: empty", p.display());
+                    return ExitCode::from(EXIT_ERROR);
+                }
+                Some(lockd::etcd::EtcdAuth { user, password })
+            }
+            Err(err) => {
+                eprintln!("lockd: --etcd-password-file {}: {err}", p.display());
+                return ExitCode::from(EXIT_ERROR);
+            }
+        },
+        _ => None,
+    };
     let node = e.etcd_node.unwrap_or_else(|| {
         std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())
@@ -776,6 +801,7 @@ async fn serve_etcd(a: ServeArgs, shutdown: impl std::future::Future<Output = ()
         node,
         leader_change: e.etcd_leader_change,
         tls,
+        auth,
         enforce_expiry: e.etcd_enforce_expiry,
         metrics: a.metrics,
         planted_bug_expiry_early: std::env::var("LOCKD_PLANTED_BUG_EXPIRY_EARLY")

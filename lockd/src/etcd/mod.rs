@@ -60,6 +60,26 @@ mod tls_tests {
             .to_string();
         assert!(e.contains("expected http://"), "{e}");
     }
+
+    #[test]
+    fn a_start_failure_names_what_to_check() {
+        use super::connect_hint;
+        let wrong = "grpc request error: status: InvalidArgument, message: \"etcdserver: authentication failed, invalid user ID or password\"";
+        assert!(connect_hint(wrong, false, true).contains("--etcd-password-file"));
+        let anon = "status: InvalidArgument, message: \"etcdserver: user name is empty\"";
+        assert!(connect_hint(anon, false, false).contains("give lockd --etcd-user"));
+        let denied = "message: \"etcdserver: permission denied\"";
+        assert!(connect_hint(denied, false, true).contains("readwrite on the key prefix"));
+        let closed = "transport error";
+        assert!(connect_hint(closed, true, false).contains("--etcd-cert"));
+        assert_eq!(connect_hint(closed, false, false), "");
+        // The password is never in a Debug rendering.
+        let a = super::EtcdAuth {
+            user: "lockd".into(),
+            password: "s3cret".into(),
+        };
+        assert!(!format!("{a:?}").contains("s3cret"));
+    }
 }
 
 /// Settings of `lockd serve --backend etcd`.
@@ -93,6 +113,8 @@ pub struct EtcdConfig {
     pub leader_change: LeaderChange,
     /// TLS to etcd (`https://` endpoints): None for `http://`.
     pub tls: Option<EtcdTls>,
+    /// etcd user and password (etcd's `auth enable`): None without.
+    pub auth: Option<EtcdAuth>,
     /// A waiter revokes its predecessor's etcd lease once it has provably expired on etcd's
     /// leader (`--etcd-enforce-expiry`, [`expiry`]).
     pub enforce_expiry: bool,
@@ -124,6 +146,44 @@ impl std::fmt::Debug for EtcdTls {
             .field("ca_pem_bytes", &self.ca_pem.len())
             .field("client_certificate", &self.identity.is_some())
             .finish()
+    }
+}
+
+/// An etcd user (`--etcd-user`) and its password (`--etcd-password-file`). etcd-client
+/// authenticates at connect and, its simple tokens expiring after `--auth-token-ttl` of
+/// disuse, again when etcd refuses an expired one (`with_auto_token_refresh`).
+#[derive(Clone)]
+pub struct EtcdAuth {
+    /// The user.
+    pub user: String,
+    /// The password.
+    pub password: String,
+}
+
+impl std::fmt::Debug for EtcdAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the password.
+        f.debug_struct("EtcdAuth")
+            .field("user", &self.user)
+            .finish()
+    }
+}
+
+/// What a failure to talk to etcd at start suggests checking, from etcd's message (empty, or
+/// starting with "; "). A TLS handshake that etcd's `--client-cert-auth` rejects only shows as
+/// a closed connection on this side.
+pub fn connect_hint(message: &str, tls_without_identity: bool, auth: bool) -> &'static str {
+    let m = message.to_ascii_lowercase();
+    if m.contains("authentication failed") || m.contains("invalid user id or password") {
+        "; etcd refused the user or password (--etcd-user, --etcd-password-file)"
+    } else if m.contains("user name is empty") || (m.contains("user name not found") && !auth) {
+        "; etcd has authentication enabled: give lockd --etcd-user and --etcd-password-file"
+    } else if m.contains("permission denied") {
+        "; the etcd user needs readwrite on the key prefix (etcdctl role grant-permission ROLE --prefix=true readwrite PREFIX, PREFIX without its trailing slash: it covers PREFIX/ and PREFIX.data/)"
+    } else if tls_without_identity {
+        "; if etcd runs with --client-cert-auth, give lockd --etcd-cert and --etcd-key"
+    } else {
+        ""
     }
 }
 

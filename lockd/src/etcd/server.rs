@@ -284,15 +284,19 @@ impl EtcdServer {
             });
         }
         super::check_endpoints(&cfg.endpoints, cfg.tls.is_some())?;
-        // A TLS handshake that etcd's --client-cert-auth rejects only shows as a closed
-        // connection on this side.
-        let hint = match &cfg.tls {
-            Some(t) if t.identity.is_none() => {
-                "; if etcd runs with --client-cert-auth, give lockd --etcd-cert and --etcd-key"
+        let tls_without_identity = cfg.tls.as_ref().is_some_and(|t| t.identity.is_none());
+        let connect_error = |source: EtcdError| {
+            let hint = super::connect_hint(
+                &source.to_string(),
+                tls_without_identity,
+                cfg.auth.is_some(),
+            );
+            EtcdServeError::Connect {
+                endpoints: cfg.endpoints.join(","),
+                source,
+                hint,
             }
-            _ => "",
         };
-        let endpoints = cfg.endpoints.join(",");
         let mut opts = ConnectOptions::new()
             .with_connect_timeout(cfg.op_timeout)
             .with_keep_alive(Duration::from_secs(1), cfg.op_timeout)
@@ -308,24 +312,34 @@ impl EtcdServer {
             }
             opts = opts.with_tls(t);
         }
+        if let Some(a) = &cfg.auth {
+            // etcd-client authenticates at connect; an expired simple token (etcd's
+            // --auth-token-ttl of disuse) is renewed and the refused call retried.
+            opts = opts
+                .with_user(a.user.clone(), a.password.clone())
+                .with_auto_token_refresh(true);
+        }
         let mut client = mutex::bounded(
             cfg.op_timeout,
             Client::connect(cfg.endpoints.clone(), Some(opts)),
         )
         .await
-        .map_err(|source| EtcdServeError::Connect {
-            endpoints: endpoints.clone(),
-            source,
-            hint,
-        })?;
+        .map_err(connect_error)?;
         // One round trip, so that a wrong endpoint fails here and not at the first acquire.
         let status = mutex::bounded(cfg.op_timeout, client.status())
             .await
-            .map_err(|source| EtcdServeError::Connect {
-                endpoints: endpoints.clone(),
-                source,
-                hint,
-            })?;
+            .map_err(connect_error)?;
+        // And one read under the prefix (linearizable, as the fence's confirming reads), so
+        // that missing credentials or permissions fail here too (etcd's Status needs none).
+        mutex::bounded(
+            cfg.op_timeout,
+            client.get(
+                probe_key(&cfg.prefix),
+                Some(etcd_client::GetOptions::new().with_count_only()),
+            ),
+        )
+        .await
+        .map_err(connect_error)?;
         let etcd_version = status.version().to_string();
         let mut unix = Vec::new();
         let mut tcp = Vec::new();
@@ -352,7 +366,8 @@ impl EtcdServer {
                 }
             })?),
         };
-        info!(endpoints = %endpoints, prefix = %cfg.prefix, ttl = ?cfg.ttl, margin = ?margin,
+        let endpoints = cfg.endpoints.join(",");
+        info!(endpoints = %endpoints, etcd_user = ?cfg.auth.as_ref().map(|a| a.user.as_str()), prefix = %cfg.prefix, ttl = ?cfg.ttl, margin = ?margin,
             metrics = ?cfg.metrics,
             enforce_expiry = cfg.enforce_expiry, tls = cfg.tls.is_some(), client_certificate = cfg.tls.as_ref().is_some_and(|t| t.identity.is_some()),
             planted_bug_no_margin = cfg.planted_bug_no_margin, "lockd serving with the etcd backend");
@@ -1865,6 +1880,12 @@ async fn acquire_task(
 /// term in its header, None if it failed).
 type ConfirmRead = std::pin::Pin<Box<dyn std::future::Future<Output = (u64, Option<u64>)> + Send>>;
 
+/// The key lockd reads (never writes) to confirm a raft term and, at start, its credentials:
+/// under the prefix, so that the role that lets lockd lock lets it read this too.
+fn probe_key(prefix: &str) -> String {
+    format!("{prefix}.term-probe")
+}
+
 /// Issue the read that confirms the keepalive answers held before `acks_before`
 /// ([`Fence::freeze_on_term_change`]): a linearizable (etcd-client's default, not
 /// `with_serializable`) count-only get of one key. etcd serves it only through a leader that
@@ -1876,7 +1897,7 @@ type ConfirmRead = std::pin::Pin<Box<dyn std::future::Future<Output = (u64, Opti
 /// the renewals answered before the read were processed by the old term's leader.
 fn confirm_read(ctx: &Arc<Ctx>, acks_before: u64) -> ConfirmRead {
     let mut client = ctx.client.clone();
-    let key = format!("{}.term-probe", ctx.cfg.prefix);
+    let key = probe_key(&ctx.cfg.prefix);
     let limit = ctx.cfg.op_timeout;
     Box::pin(async move {
         let opts = etcd_client::GetOptions::new().with_count_only();

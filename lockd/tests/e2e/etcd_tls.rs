@@ -14,24 +14,31 @@ use harness::etcd::{Etcd, TestPki};
 use crate::common::*;
 use crate::etcd_backend::{start, Line};
 
-fn lockd_cmd(dir: &Path, name: &str, url: &str, tls: &[&Path]) -> (Command, PathBuf) {
-    let sock = dir.join(format!("{name}.sock"));
+/// `--etcd-ca`, `--etcd-cert`, `--etcd-key` with these paths, in that order.
+fn tls_flags(tls: &[&Path]) -> Vec<std::ffi::OsString> {
+    let flags = ["--etcd-ca", "--etcd-cert", "--etcd-key"];
+    flags
+        .iter()
+        .zip(tls)
+        .flat_map(|(f, p)| [f.into(), p.as_os_str().to_owned()])
+        .collect()
+}
+
+/// Runs a lockd that must refuse to start: its exit code and stderr (bounded, 20 s).
+pub(crate) fn start_refused(
+    dir: &Path,
+    name: &str,
+    url: &str,
+    extra: &[std::ffi::OsString],
+) -> (i32, String) {
+    let sock: PathBuf = dir.join(format!("{name}.sock"));
     let mut cmd = Command::new(BIN);
     cmd.args(["serve", "--backend", "etcd", "--etcd-endpoints", url])
         .arg("--listen")
         .arg(format!("unix:{}", sock.display()))
         .args(["--etcd-node", name, "--etcd-op-timeout", "2s"])
+        .args(extra)
         .env("LOCKD_LOG", "info");
-    let flags = ["--etcd-ca", "--etcd-cert", "--etcd-key"];
-    for (f, p) in flags.iter().zip(tls) {
-        cmd.arg(f).arg(p);
-    }
-    (cmd, sock)
-}
-
-/// Runs a lockd that must refuse to start: its exit code and stderr (bounded, 20 s).
-fn start_refused(dir: &Path, name: &str, url: &str, tls: &[&Path]) -> (i32, String) {
-    let (mut cmd, sock) = lockd_cmd(dir, name, url, tls);
     let mut child = cmd
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
@@ -120,7 +127,7 @@ fn lock_over_tls_with_client_certificates_and_clear_refusals() {
     );
 
     // Refusals, each with a message that says what is wrong.
-    let (code, err) = start_refused(d.path(), "no-client-cert", &url, &[&pki.ca]);
+    let (code, err) = start_refused(d.path(), "no-client-cert", &url, &tls_flags(&[&pki.ca]));
     assert_eq!(code, 1, "{err}");
     assert!(
         err.contains("cannot reach etcd") && err.contains("--etcd-cert and --etcd-key"),
@@ -131,20 +138,20 @@ fn lock_over_tls_with_client_certificates_and_clear_refusals() {
         d.path(),
         "wrong-ca",
         &url,
-        &[&pki.other_ca, &pki.client_cert, &pki.client_key],
+        &tls_flags(&[&pki.other_ca, &pki.client_cert, &pki.client_key]),
     );
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("cannot reach etcd"), "wrong CA: {err}");
     eprintln!("refused with the wrong CA: {}", err.trim());
-    let (code, err) = start_refused(d.path(), "no-ca", &url, &[]);
+    let (code, err) = start_refused(d.path(), "no-ca", &url, &tls_flags(&[]));
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("needs --etcd-ca"), "https without a CA: {err}");
     let plain = url.replacen("https://", "http://", 1);
-    let (code, err) = start_refused(d.path(), "plain", &plain, &full);
+    let (code, err) = start_refused(d.path(), "plain", &plain, &tls_flags(&full));
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("must be https://"), "http with a CA: {err}");
     let missing = d.path().join("missing.crt");
-    let (code, err) = start_refused(d.path(), "missing", &url, &[&missing]);
+    let (code, err) = start_refused(d.path(), "missing", &url, &tls_flags(&[&missing]));
     assert_eq!(code, 1, "{err}");
     assert!(
         err.contains("--etcd-ca") && err.contains("missing.crt"),

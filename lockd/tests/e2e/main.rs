@@ -24,6 +24,7 @@ mod core_model_proptest;
 mod corrupt_state;
 mod dead_sockets_reaped;
 mod deadlock;
+mod etcd_auth;
 mod etcd_backend;
 mod etcd_gang;
 mod etcd_metrics;
