@@ -116,6 +116,10 @@ fn run(a: Args) -> anyhow::Result<i32> {
             .with_context(|| format!("writing {}", p.display()))?;
     }
     let v = rep.violations();
-    println!("{} trials, {v} violations", rep.trials.len());
+    println!(
+        "{} trials, {v} violations, {} cascades (a leader change's fence moving the lease twice)",
+        rep.trials.len(),
+        rep.cascades()
+    );
     Ok(if v == 0 { 0 } else { 1 })
 }

@@ -51,6 +51,10 @@ pub struct Trial {
     pub failover_ms: Option<f64>,
     /// Invariant violations (empty: the trial passed).
     pub violations: Vec<String>,
+    /// What was seen that is no violation but is worth telling (e.g. a cascade: the previous
+    /// trial's etcd leader change, fenced, also fenced the holder it had failed over to).
+    #[serde(default)]
+    pub notes: Vec<String>,
 }
 
 fn ms(later: u64, earlier: u64) -> f64 {
@@ -204,6 +208,7 @@ pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed, limits: &Lim
         margin_ms,
         failover_ms,
         violations: v,
+        notes: Vec::new(),
     }
 }
 

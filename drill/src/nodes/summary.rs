@@ -51,6 +51,14 @@ impl Report {
         self.trials.iter().map(|t| t.violations.len()).sum()
     }
 
+    /// Trials that began with a cascade (see [`Trial::notes`]).
+    pub fn cascades(&self) -> usize {
+        self.trials
+            .iter()
+            .filter(|t| t.notes.iter().any(|n| n.starts_with("cascade")))
+            .count()
+    }
+
     /// The table printed at the end of a run.
     pub fn table(&self) -> String {
         let mut s = format!(

@@ -37,9 +37,10 @@ fn drill(test: &str, cfg: Config, kinds: &[Chaos], rounds: usize) -> Option<Repo
         }
         Outcome::Ran(r) => {
             eprintln!(
-                "{test}: {} trials in {:.1} s\n{}",
+                "{test}: {} trials in {:.1} s, {} cascades\n{}",
                 r.trials.len(),
                 t0.elapsed().as_secs_f64(),
+                r.cascades(),
                 r.table()
             );
             Some(r)

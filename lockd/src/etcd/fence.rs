@@ -234,6 +234,12 @@ impl Fence {
         self
     }
 
+    /// A term change was seen with [`Fence::freeze_on_term_change`]: nothing is credited any
+    /// more, the deadline stands where the old term put it.
+    pub fn frozen(&self) -> bool {
+        self.frozen
+    }
+
     /// Positive answers held so far: a read issued now confirms those before this number.
     pub fn acks_seen(&self) -> u64 {
         self.acks

@@ -647,6 +647,9 @@ enum Msg {
     Busy { resource: String, holder: String },
     /// The keepalive task: the lease must be treated as lost (holders told now).
     Lost { cause: String },
+    /// The keepalive task: the fence of this etcd lease froze at an etcd leader change
+    /// (`--etcd-leader-change fence`): it will be lost at its old term's deadline.
+    Frozen { lease: i64 },
     /// An anchor closed.
     AnchorClosed { why: String },
     /// A gang's task ([`gang_ops`]).
@@ -1602,6 +1605,7 @@ impl Session {
                 }
             }
             Msg::Lost { cause } => self.lost(&cause),
+            Msg::Frozen { lease } => self.frozen(lease),
             Msg::Gang(m) => self.on_gang_msg(m),
             Msg::AnchorClosed { why } => {
                 self.anchors = self.anchors.saturating_sub(1);
@@ -1610,6 +1614,45 @@ impl Session {
                 }
                 info!(session = self.id, why = %why, anchors = self.anchors, "anchor closed");
             }
+        }
+    }
+
+    /// The lease's fence froze at an etcd leader change. A session that holds something
+    /// keeps it until the old term's deadline (its holders are then told, as by any fence).
+    /// One that holds nothing drops the lease now, revoked at once (nobody to kill), and its
+    /// waiters are told `unavailable` to acquire again on a new lease of the new term:
+    /// otherwise a waiter granted on the frozen lease would be fenced right after, a second
+    /// failover for one leader change (seen in the drill across nodes under CPU load).
+    fn frozen(&mut self, lease: i64) {
+        if self.lease.as_ref().map(|l| l.id) != Some(lease)
+            || !self.held.is_empty()
+            || !self.gangs.is_empty()
+        {
+            return;
+        }
+        let Some(l) = self.lease.take() else { return };
+        l.keeper.abort();
+        info!(session = self.id, lease = %format!("{lease:016x}"), waiting = self.waiting.len(),
+            "etcd's leader changed and this session holds nothing: its etcd lease is dropped now; its waiters acquire again on a new one");
+        let ctx = self.ctx.clone();
+        tokio::spawn(async move {
+            let mut c = ctx.client.clone();
+            if mutex::bounded(ctx.cfg.op_timeout, c.lease_revoke(l.id))
+                .await
+                .is_ok()
+            {
+                ctx.live_leases().remove(&l.id);
+            }
+        });
+        // The waiting keys go with the lease's revoke.
+        let waits: Vec<String> = self.waiting.keys().cloned().collect();
+        for r in waits {
+            self.cancel_wait(&r);
+            self.send(error_line(
+                ErrorCode::Unavailable.as_str(),
+                "etcd backend: etcd's leader changed while waiting (lockd fences at leader changes on this etcd, docs/ETCD.md); acquire again".to_string(),
+                Some(&r),
+            ));
         }
     }
 
@@ -1991,6 +2034,8 @@ async fn keep_alive(
     // With the fence at leader changes: the linearizable read that confirms the answers held
     // so far (`Fence::needs_confirmation`), resolving to (`acks_before`, its raft term).
     let mut confirm: Option<ConfirmRead> = None;
+    // Whether the session was told its fence froze (once).
+    let mut told_frozen = false;
     loop {
         // (Re)open the keepalive stream, watching the deadline meanwhile.
         let deadline = fence
@@ -2072,6 +2117,10 @@ async fn keep_alive(
                                 let _ = tx.send(Msg::Lost { cause: c });
                                 return;
                             }
+                            if fence.frozen() && !told_frozen {
+                                told_frozen = true;
+                                let _ = tx.send(Msg::Frozen { lease });
+                            }
                         }
                         if let Some(c) = report(fence.step(Instant::now(), FenceInput::Acked { ttl_secs: resp.ttl() })) {
                             let _ = tx.send(Msg::Lost { cause: c });
@@ -2099,6 +2148,10 @@ async fn keep_alive(
                         if let Some(c) = report(fence.step(Instant::now(), FenceInput::Confirmed { term, acks_before })) {
                             let _ = tx.send(Msg::Lost { cause: c });
                             return;
+                        }
+                        if fence.frozen() && !told_frozen {
+                            told_frozen = true;
+                            let _ = tx.send(Msg::Frozen { lease });
                         }
                         if fence.needs_confirmation() {
                             confirm = Some(confirm_read(&ctx, fence.acks_seen()));
