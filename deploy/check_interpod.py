@@ -162,6 +162,28 @@ def check(docs):
         fail(f"router servers: {servers}")
 
 
+def init_mutant(path, mutate, what, hint):
+    """The manifest at `path` with `mutate` applied to every init container of every
+    Deployment must fail the check (`mutate` returns whether it changed anything)."""
+    with open(path) as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    mutated = False
+    for d in docs:
+        if d.get("kind") == "Deployment":
+            for c in d["spec"]["template"]["spec"]["initContainers"]:
+                mutated = mutate(c) or mutated
+    if not mutated:
+        print(f"FAIL: self-test: nothing to mutate for {what} ({hint})", file=sys.stderr)
+        sys.exit(1)
+    try:
+        check(docs)
+    except Bad as e:
+        print(f"caught: {what} -> mutant: {e}")
+    else:
+        print(f"FAIL: self-test: the checker accepted {what}", file=sys.stderr)
+        sys.exit(1)
+
+
 def main():
     args = sys.argv[1:]
     self_test = "--self-test" in args
@@ -191,49 +213,26 @@ def main():
                 print("FAIL: self-test: the checker accepted --lock-watchdog 10s", file=sys.stderr)
                 sys.exit(1)
             # ... and https:// endpoints whose client key is missing.
-            with open(p) as f:
-                docs = [d for d in yaml.safe_load_all(f) if d]
-            mutated = False
-            for d in docs:
-                if d.get("kind") == "Deployment":
-                    for c in d["spec"]["template"]["spec"]["initContainers"]:
-                        cmd = c.get("command", [])
-                        if "--etcd-key" in cmd:
-                            i = cmd.index("--etcd-key")
-                            del cmd[i : i + 2]
-                            mutated = True
-            if not mutated:
-                print("FAIL: self-test: no --etcd-key to remove (is TLS rendered?)", file=sys.stderr)
-                sys.exit(1)
-            try:
-                check(docs)
-            except Bad as e:
-                print(f"caught: https:// without --etcd-key -> mutant: {e}")
-            else:
-                print("FAIL: self-test: the checker accepted https:// without a client key", file=sys.stderr)
-                sys.exit(1)
-            # ... and the etcd password file moved off its Secret (a mount not read-only).
-            with open(p) as f:
-                docs = [d for d in yaml.safe_load_all(f) if d]
-            mutated = False
-            for d in docs:
-                if d.get("kind") == "Deployment":
-                    for c in d["spec"]["template"]["spec"]["initContainers"]:
-                        for m in c.get("volumeMounts", []):
-                            if m.get("name") == "etcd-auth":
-                                m["readOnly"] = False
-                                mutated = True
-            if not mutated:
-                print("FAIL: self-test: no etcd-auth mount (is authSecret rendered?)", file=sys.stderr)
-                sys.exit(1)
-            try:
-                check(docs)
-            except Bad as e:
-                print(f"caught: a writable etcd password mount -> mutant: {e}")
-            else:
-                print("FAIL: self-test: the checker accepted a writable etcd password mount", file=sys.stderr)
-                sys.exit(1)
+            def drop_key(c):
+                cmd = c.get("command", [])
+                if "--etcd-key" not in cmd:
+                    return False
+                i = cmd.index("--etcd-key")
+                del cmd[i : i + 2]
+                return True
 
+            init_mutant(p, drop_key, "https:// without --etcd-key", "is TLS rendered?")
+
+            # ... and the etcd password file moved off its Secret (a mount not read-only).
+            def writable_password(c):
+                hit = False
+                for m in c.get("volumeMounts", []):
+                    if m.get("name") == "etcd-auth":
+                        m["readOnly"] = False
+                        hit = True
+                return hit
+
+            init_mutant(p, writable_password, "a writable etcd password mount", "is authSecret rendered?")
 
 if __name__ == "__main__":
     main()

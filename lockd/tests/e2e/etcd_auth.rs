@@ -8,13 +8,13 @@
 use std::ffi::OsString;
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use harness::etcd::Etcd;
 
 use crate::common::*;
 use crate::etcd_backend::{start, Line};
-use crate::etcd_tls::start_refused;
+use crate::etcd_tls::{handoff_a_to_b, start_refused};
 
 /// Runs `etcdctl --endpoints url ARGS` (as root once auth is on); panics with its output if
 /// it fails.
@@ -98,30 +98,16 @@ fn lock_with_etcd_authentication_and_clear_refusals() {
     let f: Vec<&str> = f.iter().map(|s| s.to_str().expect("utf-8")).collect();
     let a = start(d.path(), "A", &url, &f, &[]);
     let b = start(d.path(), "B", &url, &f, &[]);
-    let limit = Duration::from_secs(10);
-    let mut holder = Line::connect(&a.sock).expect("A");
-    holder.acquire("engine", "ha");
-    let ea = holder.recv_until("granted", limit).expect("A granted")["epoch"]
-        .as_u64()
-        .expect("epoch");
-    let mut waiter = Line::connect(&b.sock).expect("B");
-    waiter.acquire("engine", "hb");
-    waiter.recv_until("queued", limit).expect("B queued");
-    let t = Instant::now();
-    drop(holder);
-    let g = waiter.recv_until("granted", limit).expect("B granted");
-    let handoff = t.elapsed();
-    let eb = g["epoch"].as_u64().expect("epoch");
-    assert!(eb > ea, "epoch {eb} not above {ea}");
-    assert!(handoff < Duration::from_secs(2), "handoff took {handoff:?}");
+    let (mut waiter, handoff) = handoff_a_to_b(&a.sock, &b.sock);
     eprintln!(
-        "handoff A -> B as etcd user lockd: {:.1} ms (epoch {ea} -> {eb})",
+        "handoff A -> B as etcd user lockd: {:.1} ms",
         handoff.as_secs_f64() * 1e3
     );
 
     // A has had no session for longer than the token's 2 s: its token expired on etcd, and
     // the next acquire still works (etcd-client authenticates again).
     std::thread::sleep(Duration::from_millis(3500));
+    let limit = Duration::from_secs(10);
     let mut again = Line::connect(&a.sock).expect("A again");
     again.acquire("other", "ha2");
     again

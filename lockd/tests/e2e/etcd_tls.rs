@@ -24,6 +24,29 @@ fn tls_flags(tls: &[&Path]) -> Vec<std::ffi::OsString> {
         .collect()
 }
 
+/// A holder on A granted `engine`, a waiter on B queued behind it; the holder's connection
+/// closes (a clean death) and B must be granted with a higher epoch within 2 s. B's
+/// connection (holding the lock) and the time from the close to B's grant.
+pub(crate) fn handoff_a_to_b(a: &Path, b: &Path) -> (Line, Duration) {
+    let limit = Duration::from_secs(10);
+    let mut holder = Line::connect(a).expect("A");
+    holder.acquire("engine", "ha");
+    let ea = holder.recv_until("granted", limit).expect("A granted")["epoch"]
+        .as_u64()
+        .expect("epoch");
+    let mut waiter = Line::connect(b).expect("B");
+    waiter.acquire("engine", "hb");
+    waiter.recv_until("queued", limit).expect("B queued");
+    let t = Instant::now();
+    drop(holder);
+    let g = waiter.recv_until("granted", limit).expect("B granted");
+    let handoff = t.elapsed();
+    let eb = g["epoch"].as_u64().expect("epoch");
+    assert!(eb > ea, "epoch {eb} not above {ea}");
+    assert!(handoff < Duration::from_secs(2), "handoff took {handoff:?}");
+    (waiter, handoff)
+}
+
 /// Runs a lockd that must refuse to start: its exit code and stderr (bounded, 20 s).
 pub(crate) fn start_refused(
     dir: &Path,
@@ -102,29 +125,8 @@ fn lock_over_tls_with_client_certificates_and_clear_refusals() {
     ];
     let a = start(d.path(), "A", &url, &flags, &[]);
     let b = start(d.path(), "B", &url, &flags, &[]);
-    let limit = Duration::from_secs(10);
-    let mut holder = Line::connect(&a.sock).expect("A");
-    holder.acquire("engine", "ha");
-    let ea = holder.recv_until("granted", limit).expect("A granted")["epoch"]
-        .as_u64()
-        .expect("epoch");
-    let mut waiter = Line::connect(&b.sock).expect("B");
-    waiter.acquire("engine", "hb");
-    waiter.recv_until("queued", limit).expect("B queued");
-    let t = Instant::now();
-    drop(holder);
-    let g = waiter.recv_until("granted", limit).expect("B granted");
-    let handoff = t.elapsed();
-    let eb = g["epoch"].as_u64().expect("epoch");
-    assert!(eb > ea, "epoch {eb} not above {ea}");
-    assert!(
-        handoff < Duration::from_secs(2),
-        "handoff over TLS took {handoff:?}"
-    );
-    eprintln!(
-        "TLS handoff A -> B: {:.1} ms (epoch {ea} -> {eb})",
-        handoff.as_secs_f64() * 1e3
-    );
+    let (_waiter, handoff) = handoff_a_to_b(&a.sock, &b.sock);
+    eprintln!("TLS handoff A -> B: {:.1} ms", handoff.as_secs_f64() * 1e3);
 
     // Refusals, each with a message that says what is wrong.
     let (code, err) = start_refused(d.path(), "no-client-cert", &url, &tls_flags(&[&pki.ca]));
