@@ -1634,17 +1634,8 @@ impl Session {
         l.keeper.abort();
         info!(session = self.id, lease = %format!("{lease:016x}"), waiting = self.waiting.len(),
             "etcd's leader changed and this session holds nothing: its etcd lease is dropped now; its waiters acquire again on a new one");
-        let ctx = self.ctx.clone();
-        tokio::spawn(async move {
-            let mut c = ctx.client.clone();
-            if mutex::bounded(ctx.cfg.op_timeout, c.lease_revoke(l.id))
-                .await
-                .is_ok()
-            {
-                ctx.live_leases().remove(&l.id);
-            }
-        });
-        // The waiting keys go with the lease's revoke.
+        // Nobody holds anything to kill: at once. The waiting keys go with it.
+        revoke_after(self.ctx.clone(), l.id, Duration::ZERO);
         let waits: Vec<String> = self.waiting.keys().cloned().collect();
         for r in waits {
             self.cancel_wait(&r);
@@ -1669,18 +1660,8 @@ impl Session {
             // Best effort: it may be gone already; if etcd is back, it ends — but not before
             // the holders told now can be dead (pause + kill, as at shutdown): revoking at once
             // would let another node be granted while they may still run.
-            let ctx = self.ctx.clone();
-            let wait = ctx.cfg.margin.pause + ctx.cfg.margin.kill;
-            tokio::spawn(async move {
-                tokio::time::sleep(wait).await;
-                let mut c = ctx.client.clone();
-                if mutex::bounded(ctx.cfg.op_timeout, c.lease_revoke(l.id))
-                    .await
-                    .is_ok()
-                {
-                    ctx.live_leases().remove(&l.id);
-                }
-            });
+            let wait = self.ctx.cfg.margin.pause + self.ctx.cfg.margin.kill;
+            revoke_after(self.ctx.clone(), l.id, wait);
         }
         let mut lines = Vec::new();
         for (r, h) in self.held.iter_mut() {
@@ -1919,6 +1900,29 @@ async fn acquire_task(
     }
 }
 
+/// Tell the session, once, that its lease's fence froze ([`Msg::Frozen`]).
+fn tell_frozen(fence: &Fence, told: &mut bool, tx: &mpsc::UnboundedSender<Msg>, lease: i64) {
+    if fence.frozen() && !*told {
+        *told = true;
+        let _ = tx.send(Msg::Frozen { lease });
+    }
+}
+
+/// Revoke a session's etcd lease `wait` from now, in the background (best effort: it may be
+/// gone already); forgotten from the live set once etcd confirms.
+fn revoke_after(ctx: Arc<Ctx>, lease: i64, wait: Duration) {
+    tokio::spawn(async move {
+        tokio::time::sleep(wait).await;
+        let mut c = ctx.client.clone();
+        if mutex::bounded(ctx.cfg.op_timeout, c.lease_revoke(lease))
+            .await
+            .is_ok()
+        {
+            ctx.live_leases().remove(&lease);
+        }
+    });
+}
+
 /// A linearizable read in flight for [`FenceInput::Confirmed`]: (`acks_before`, the raft
 /// term in its header, None if it failed).
 type ConfirmRead = std::pin::Pin<Box<dyn std::future::Future<Output = (u64, Option<u64>)> + Send>>;
@@ -2117,10 +2121,7 @@ async fn keep_alive(
                                 let _ = tx.send(Msg::Lost { cause: c });
                                 return;
                             }
-                            if fence.frozen() && !told_frozen {
-                                told_frozen = true;
-                                let _ = tx.send(Msg::Frozen { lease });
-                            }
+                            tell_frozen(&fence, &mut told_frozen, &tx, lease);
                         }
                         if let Some(c) = report(fence.step(Instant::now(), FenceInput::Acked { ttl_secs: resp.ttl() })) {
                             let _ = tx.send(Msg::Lost { cause: c });
@@ -2149,10 +2150,7 @@ async fn keep_alive(
                             let _ = tx.send(Msg::Lost { cause: c });
                             return;
                         }
-                        if fence.frozen() && !told_frozen {
-                            told_frozen = true;
-                            let _ = tx.send(Msg::Frozen { lease });
-                        }
+                        tell_frozen(&fence, &mut told_frozen, &tx, lease);
                         if fence.needs_confirmation() {
                             confirm = Some(confirm_read(&ctx, fence.acks_seen()));
                         }
