@@ -255,13 +255,6 @@ pub(super) async fn wait_for_init_memory(
         let mut s = state.write();
         s.started = true;
         s.startup_deadline = Some(wait.deadline() + LIVE_GRACE);
-        s.waiting = Some(Waiting {
-            reason: WaitReason::InitMemory,
-            since: start,
-            timeout,
-            need_bytes: None,
-            free_bytes: None,
-        });
     }
     let end = loop {
         let sample = checks
@@ -319,10 +312,16 @@ pub(super) async fn wait_for_init_memory(
                 error,
                 next,
             } => {
-                if let Some(w) = state.write().waiting.as_mut() {
-                    w.need_bytes = need;
-                    w.free_bytes = free;
-                }
+                // `/state` says "waiting" only once a sample has shown the engine must wait,
+                // and always with that sample's figures: a first sample with enough memory
+                // spawns at once and never reports a wait.
+                state.write().waiting = Some(Waiting {
+                    reason: WaitReason::InitMemory,
+                    since: start,
+                    timeout,
+                    need_bytes: need,
+                    free_bytes: free,
+                });
                 if first {
                     tracing::info!(
                         incarnation,
