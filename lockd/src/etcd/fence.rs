@@ -412,23 +412,69 @@ mod tests {
     }
 
     /// TTL 2 s, drift 1 % (20 ms), pause 100 ms, kill 500 ms: margin 620 ms.
+    const MARGIN: Margin = Margin {
+        drift_ppm: 10_000,
+        pause: Duration::from_millis(100),
+        kill: Duration::from_millis(500),
+    };
+
+    /// The margin a 2 s lease leaves: a keepalive sent at `s` moves the deadline to `s + 1380`.
+    const WINDOW: u64 = 1380;
+
     fn fence() -> Fence {
-        Fence::new(Margin {
-            drift_ppm: 10_000,
-            pause: ms(100),
-            kill: ms(500),
+        Fence::new(MARGIN)
+    }
+
+    /// `f` after a 2 s lease granted at `t0` (the request sent at `t0`), the etcd term at the
+    /// grant fed first when given.
+    fn granted(mut f: Fence, term: Option<u64>, t0: Instant) -> Fence {
+        if let Some(term) = term {
+            f.step(t0, FenceInput::Term { term });
+        }
+        f.step(
+            t0,
+            FenceInput::Granted {
+                sent_at: t0,
+                ttl_secs: 2,
+            },
+        );
+        f
+    }
+
+    /// A freezing fence granted at `t0` in `term`.
+    fn granted_in_term(term: u64, t0: Instant) -> Fence {
+        granted(fence().freeze_on_term_change(), Some(term), t0)
+    }
+
+    /// A keepalive answer at `at` (its header's term fed first, as the driver does).
+    fn answer(f: &mut Fence, at: Instant, term: Option<u64>, ttl_secs: i64) -> Option<FenceOutput> {
+        if let Some(term) = term {
+            f.step(at, FenceInput::Term { term });
+        }
+        f.step(at, FenceInput::Acked { ttl_secs })
+    }
+
+    /// A confirming read issued now (after every answer seen so far), answered at `at` in `term`.
+    fn confirm(f: &mut Fence, at: Instant, term: u64) -> Option<FenceOutput> {
+        let acks_before = f.acks_seen();
+        f.step(at, FenceInput::Confirmed { term, acks_before })
+    }
+
+    /// What crediting the keepalive sent at `t0 + sent` returns.
+    fn renewed_from(t0: Instant, sent: u64) -> Option<FenceOutput> {
+        Some(FenceOutput::Renewed {
+            deadline: t0 + ms(sent + WINDOW),
         })
     }
 
+    const EXPIRED: Option<FenceOutput> = Some(FenceOutput::Lost {
+        cause: LostCause::EtcdExpired,
+    });
+
     #[test]
     fn margin_adds_drift_pause_and_kill() {
-        let m = Margin {
-            drift_ppm: 10_000,
-            pause: ms(100),
-            kill: ms(500),
-        };
-        assert_eq!(m.of(Duration::from_secs(2)), ms(620));
-        assert_eq!(m.of(Duration::from_secs(5)), ms(650));
+        assert_eq!(MARGIN.of(Duration::from_secs(2)), ms(620));
+        assert_eq!(MARGIN.of(Duration::from_secs(5)), ms(650));
     }
 
     #[test]
@@ -451,92 +497,47 @@ mod tests {
                 ttl_secs: 2,
             },
         );
-        assert_eq!(
-            out,
-            Some(FenceOutput::Renewed {
-                deadline: t0 + ms(1380)
-            })
-        );
-        assert_eq!(f.deadline(), Some(t0 + ms(1380)));
+        assert_eq!(out, renewed_from(t0, 0));
+        assert_eq!(f.deadline(), Some(t0 + ms(WINDOW)));
     }
 
     #[test]
     fn ack_credits_the_send_time_not_the_ack_time() {
         let t0 = Instant::now();
-        let mut f = fence();
-        f.step(
-            t0,
-            FenceInput::Granted {
-                sent_at: t0,
-                ttl_secs: 2,
-            },
-        );
+        let mut f = granted(fence(), None, t0);
         assert_eq!(f.step(t0 + ms(500), FenceInput::Sent), None);
         // Answered 300 ms later: the deadline counts from the send (500), not the answer.
-        let out = f.step(t0 + ms(800), FenceInput::Acked { ttl_secs: 2 });
-        assert_eq!(
-            out,
-            Some(FenceOutput::Renewed {
-                deadline: t0 + ms(500 + 1380)
-            })
-        );
+        assert_eq!(answer(&mut f, t0 + ms(800), None, 2), renewed_from(t0, 500));
     }
 
     #[test]
     fn acks_are_matched_to_sends_in_order() {
         let t0 = Instant::now();
-        let mut f = fence();
-        f.step(
-            t0,
-            FenceInput::Granted {
-                sent_at: t0,
-                ttl_secs: 2,
-            },
-        );
+        let mut f = granted(fence(), None, t0);
         f.step(t0 + ms(100), FenceInput::Sent);
         f.step(t0 + ms(200), FenceInput::Sent);
-        assert_eq!(
-            f.step(t0 + ms(250), FenceInput::Acked { ttl_secs: 2 }),
-            Some(FenceOutput::Renewed {
-                deadline: t0 + ms(100 + 1380)
-            })
-        );
-        assert_eq!(
-            f.step(t0 + ms(260), FenceInput::Acked { ttl_secs: 2 }),
-            Some(FenceOutput::Renewed {
-                deadline: t0 + ms(200 + 1380)
-            })
-        );
+        assert_eq!(answer(&mut f, t0 + ms(250), None, 2), renewed_from(t0, 100));
+        assert_eq!(answer(&mut f, t0 + ms(260), None, 2), renewed_from(t0, 200));
         // A third answer without a send credits nothing.
-        assert_eq!(
-            f.step(t0 + ms(270), FenceInput::Acked { ttl_secs: 2 }),
-            None
-        );
-        assert_eq!(f.deadline(), Some(t0 + ms(1580)));
+        assert_eq!(answer(&mut f, t0 + ms(270), None, 2), None);
+        assert_eq!(f.deadline(), Some(t0 + ms(200 + WINDOW)));
     }
 
     #[test]
     fn unanswered_keepalives_do_not_move_the_deadline_and_it_fires_once() {
         let t0 = Instant::now();
-        let mut f = fence();
-        f.step(
-            t0,
-            FenceInput::Granted {
-                sent_at: t0,
-                ttl_secs: 2,
-            },
-        );
+        let mut f = granted(fence(), None, t0);
         for i in 1..=4 {
             assert_eq!(f.step(t0 + ms(300 * i), FenceInput::Sent), None);
         }
-        assert_eq!(f.step(t0 + ms(1379), FenceInput::Tick), None);
-        let out = f.step(t0 + ms(1380), FenceInput::Tick);
+        assert_eq!(f.step(t0 + ms(WINDOW - 1), FenceInput::Tick), None);
+        let out = f.step(t0 + ms(WINDOW), FenceInput::Tick);
         assert_eq!(
             out,
             Some(FenceOutput::Lost {
                 cause: LostCause::DeadlinePassed {
-                    since_last_ack: ms(1380),
-                    deadline: t0 + ms(1380)
+                    since_last_ack: ms(WINDOW),
+                    deadline: t0 + ms(WINDOW)
                 }
             })
         );
@@ -544,70 +545,36 @@ mod tests {
         assert_eq!(f.deadline(), None);
         // Once only, and nothing revives it.
         assert_eq!(f.step(t0 + ms(1400), FenceInput::Tick), None);
-        assert_eq!(
-            f.step(t0 + ms(1400), FenceInput::Acked { ttl_secs: 2 }),
-            None
-        );
+        assert_eq!(answer(&mut f, t0 + ms(1400), None, 2), None);
     }
 
     #[test]
     fn an_ack_arriving_after_the_deadline_does_not_undo_it() {
         let t0 = Instant::now();
-        let mut f = fence();
-        f.step(
-            t0,
-            FenceInput::Granted {
-                sent_at: t0,
-                ttl_secs: 2,
-            },
-        );
+        let mut f = granted(fence(), None, t0);
         f.step(t0 + ms(1000), FenceInput::Sent);
         // The answer comes late (after the deadline at 1380): lost, not renewed.
-        let out = f.step(t0 + ms(1500), FenceInput::Acked { ttl_secs: 2 });
+        let out = answer(&mut f, t0 + ms(1500), None, 2);
         assert!(matches!(out, Some(FenceOutput::Lost { .. })), "{out:?}");
     }
 
     #[test]
     fn etcd_answering_ttl_zero_is_lost_at_once() {
         let t0 = Instant::now();
-        let mut f = fence();
-        f.step(
-            t0,
-            FenceInput::Granted {
-                sent_at: t0,
-                ttl_secs: 2,
-            },
-        );
+        let mut f = granted(fence(), None, t0);
         f.step(t0 + ms(100), FenceInput::Sent);
-        assert_eq!(
-            f.step(t0 + ms(110), FenceInput::Acked { ttl_secs: 0 }),
-            Some(FenceOutput::Lost {
-                cause: LostCause::EtcdExpired
-            })
-        );
+        assert_eq!(answer(&mut f, t0 + ms(110), None, 0), EXPIRED);
     }
 
     #[test]
     fn stream_reset_forgets_unanswered_sends() {
         let t0 = Instant::now();
-        let mut f = fence();
-        f.step(
-            t0,
-            FenceInput::Granted {
-                sent_at: t0,
-                ttl_secs: 2,
-            },
-        );
+        let mut f = granted(fence(), None, t0);
         f.step(t0 + ms(100), FenceInput::Sent);
         assert_eq!(f.step(t0 + ms(200), FenceInput::StreamReset), None);
         // The new stream's first answer belongs to its first send (at 300), never to 100.
         f.step(t0 + ms(300), FenceInput::Sent);
-        assert_eq!(
-            f.step(t0 + ms(310), FenceInput::Acked { ttl_secs: 2 }),
-            Some(FenceOutput::Renewed {
-                deadline: t0 + ms(300 + 1380)
-            })
-        );
+        assert_eq!(answer(&mut f, t0 + ms(310), None, 2), renewed_from(t0, 300));
     }
 
     #[test]
@@ -624,130 +591,54 @@ mod tests {
         let d = f.deadline().unwrap();
         f.step(t0 + ms(1100), FenceInput::Sent);
         // A smaller TTL in the answer would shorten it: ignored (the longer proof stands).
-        assert_eq!(
-            f.step(t0 + ms(1200), FenceInput::Acked { ttl_secs: 2 }),
-            None
-        );
+        assert_eq!(answer(&mut f, t0 + ms(1200), None, 2), None);
         assert_eq!(f.deadline(), Some(d));
     }
 
     #[test]
     fn a_term_change_moves_nothing_by_default() {
         let t0 = Instant::now();
-        let mut f = fence();
-        f.step(t0, FenceInput::Term { term: 3 });
-        f.step(
-            t0,
-            FenceInput::Granted {
-                sent_at: t0,
-                ttl_secs: 2,
-            },
-        );
+        let mut f = granted(fence(), Some(3), t0);
         f.step(t0 + ms(500), FenceInput::Sent);
         assert_eq!(f.step(t0 + ms(510), FenceInput::Term { term: 4 }), None);
-        assert_eq!(
-            f.step(t0 + ms(510), FenceInput::Acked { ttl_secs: 2 }),
-            Some(FenceOutput::Renewed {
-                deadline: t0 + ms(500 + 1380)
-            })
-        );
+        assert_eq!(answer(&mut f, t0 + ms(510), None, 2), renewed_from(t0, 500));
     }
 
     #[test]
     fn with_freeze_an_answer_of_a_newer_term_is_not_credited() {
         let t0 = Instant::now();
-        let mut f = fence().freeze_on_term_change();
-        f.step(t0, FenceInput::Term { term: 3 });
-        f.step(
-            t0,
-            FenceInput::Granted {
-                sent_at: t0,
-                ttl_secs: 2,
-            },
-        );
+        let mut f = granted_in_term(3, t0);
         // Same term, confirmed by a read of the same term: credited.
         f.step(t0 + ms(500), FenceInput::Sent);
-        f.step(t0 + ms(505), FenceInput::Term { term: 3 });
-        assert_eq!(
-            f.step(t0 + ms(505), FenceInput::Acked { ttl_secs: 2 }),
-            None
-        );
-        assert_eq!(
-            f.step(
-                t0 + ms(507),
-                FenceInput::Confirmed {
-                    term: 3,
-                    acks_before: f.acks_seen()
-                }
-            ),
-            Some(FenceOutput::Renewed {
-                deadline: t0 + ms(1880)
-            })
-        );
+        assert_eq!(answer(&mut f, t0 + ms(505), Some(3), 2), None);
+        assert_eq!(confirm(&mut f, t0 + ms(507), 3), renewed_from(t0, 500));
         // A new leader answers (term 4): the deadline stays at the old term's.
         f.step(t0 + ms(1000), FenceInput::Sent);
         assert_eq!(f.step(t0 + ms(1005), FenceInput::Term { term: 4 }), None);
-        assert_eq!(
-            f.step(t0 + ms(1005), FenceInput::Acked { ttl_secs: 2 }),
-            None
-        );
-        assert_eq!(f.deadline(), Some(t0 + ms(1880)));
+        assert_eq!(answer(&mut f, t0 + ms(1005), None, 2), None);
+        assert_eq!(f.deadline(), Some(t0 + ms(500 + WINDOW)));
         // An answer of the old term again (a lagging member) does not revive it either.
         f.step(t0 + ms(1200), FenceInput::Sent);
-        f.step(t0 + ms(1205), FenceInput::Term { term: 3 });
-        assert_eq!(
-            f.step(t0 + ms(1205), FenceInput::Acked { ttl_secs: 2 }),
-            None
-        );
+        assert_eq!(answer(&mut f, t0 + ms(1205), Some(3), 2), None);
         // TTL 0 is still lost at once.
         f.step(t0 + ms(1300), FenceInput::Sent);
-        assert_eq!(
-            f.step(t0 + ms(1305), FenceInput::Acked { ttl_secs: 0 }),
-            Some(FenceOutput::Lost {
-                cause: LostCause::EtcdExpired
-            })
-        );
+        assert_eq!(answer(&mut f, t0 + ms(1305), None, 0), EXPIRED);
     }
 
     #[test]
     fn with_freeze_the_fence_fires_at_the_old_terms_deadline() {
         let t0 = Instant::now();
-        let mut f = fence().freeze_on_term_change();
-        f.step(t0, FenceInput::Term { term: 7 });
-        f.step(
-            t0,
-            FenceInput::Granted {
-                sent_at: t0,
-                ttl_secs: 2,
-            },
-        );
+        let mut f = granted_in_term(7, t0);
         // The leader changed before any keepalive answer: the grant's deadline stands.
         f.step(t0 + ms(300), FenceInput::Sent);
-        f.step(t0 + ms(900), FenceInput::Term { term: 8 });
-        assert_eq!(
-            f.step(t0 + ms(900), FenceInput::Acked { ttl_secs: 2 }),
-            None
-        );
-        assert_eq!(f.step(t0 + ms(1379), FenceInput::Tick), None);
+        assert_eq!(answer(&mut f, t0 + ms(900), Some(8), 2), None);
+        assert_eq!(f.step(t0 + ms(WINDOW - 1), FenceInput::Tick), None);
         assert!(matches!(
-            f.step(t0 + ms(1380), FenceInput::Tick),
+            f.step(t0 + ms(WINDOW), FenceInput::Tick),
             Some(FenceOutput::Lost {
                 cause: LostCause::DeadlinePassed { .. }
             })
         ));
-    }
-
-    fn granted_in_term(term: u64, t0: Instant) -> Fence {
-        let mut f = fence().freeze_on_term_change();
-        f.step(t0, FenceInput::Term { term });
-        f.step(
-            t0,
-            FenceInput::Granted {
-                sent_at: t0,
-                ttl_secs: 2,
-            },
-        );
-        f
     }
 
     #[test]
@@ -758,11 +649,7 @@ mod tests {
         f.step(t0 + ms(500), FenceInput::Sent);
         // A read issued before the answer arrived proves nothing about it.
         let before = f.acks_seen();
-        f.step(t0 + ms(505), FenceInput::Term { term: 3 });
-        assert_eq!(
-            f.step(t0 + ms(505), FenceInput::Acked { ttl_secs: 2 }),
-            None
-        );
+        assert_eq!(answer(&mut f, t0 + ms(505), Some(3), 2), None);
         assert!(f.needs_confirmation());
         assert_eq!(
             f.step(
@@ -774,21 +661,9 @@ mod tests {
             ),
             None
         );
-        assert_eq!(f.deadline(), Some(t0 + ms(1380)));
+        assert_eq!(f.deadline(), Some(t0 + ms(WINDOW)));
         // The next read, issued after it, credits it with its send time.
-        let after = f.acks_seen();
-        assert_eq!(
-            f.step(
-                t0 + ms(520),
-                FenceInput::Confirmed {
-                    term: 3,
-                    acks_before: after
-                }
-            ),
-            Some(FenceOutput::Renewed {
-                deadline: t0 + ms(500 + 1380)
-            })
-        );
+        assert_eq!(confirm(&mut f, t0 + ms(520), 3), renewed_from(t0, 500));
         assert!(!f.needs_confirmation());
     }
 
@@ -808,37 +683,23 @@ mod tests {
             // t0 + 400: the leader stops. The keepalive sent at 900 reaches a follower still
             // at term 3, which forwards it to the new leader (term 4).
             f.step(t0 + ms(900), FenceInput::Sent);
-            f.step(t0 + ms(902), FenceInput::Term { term: 3 });
-            let credited = f.step(t0 + ms(902), FenceInput::Acked { ttl_secs: 2 });
-            let read = f.step(
-                t0 + ms(904),
-                FenceInput::Confirmed {
-                    term: 4,
-                    acks_before: f.acks_seen(),
-                },
-            );
+            let credited = answer(&mut f, t0 + ms(902), Some(3), 2);
+            let read = confirm(&mut f, t0 + ms(904), 4);
             // The old leader's view ends at 0 + 2000: holders must be dead by then.
             if bug {
                 assert!(credited.is_some(), "the planted bug credits at once");
-                assert_eq!(f.deadline(), Some(t0 + ms(900 + 1380)));
+                assert_eq!(f.deadline(), Some(t0 + ms(900 + WINDOW)));
             } else {
                 assert_eq!((credited, read), (None, None));
-                assert_eq!(f.deadline(), Some(t0 + ms(1380)));
+                assert_eq!(f.deadline(), Some(t0 + ms(WINDOW)));
                 // Nothing later revives it, not even a read of the old term.
                 f.step(t0 + ms(1000), FenceInput::Sent);
-                f.step(t0 + ms(1001), FenceInput::Term { term: 3 });
-                f.step(t0 + ms(1001), FenceInput::Acked { ttl_secs: 2 });
+                answer(&mut f, t0 + ms(1001), Some(3), 2);
                 assert!(!f.needs_confirmation());
-                f.step(
-                    t0 + ms(1002),
-                    FenceInput::Confirmed {
-                        term: 3,
-                        acks_before: f.acks_seen(),
-                    },
-                );
-                assert_eq!(f.deadline(), Some(t0 + ms(1380)));
+                confirm(&mut f, t0 + ms(1002), 3);
+                assert_eq!(f.deadline(), Some(t0 + ms(WINDOW)));
                 assert!(matches!(
-                    f.step(t0 + ms(1380), FenceInput::Tick),
+                    f.step(t0 + ms(WINDOW), FenceInput::Tick),
                     Some(FenceOutput::Lost { .. })
                 ));
             }
@@ -853,47 +714,19 @@ mod tests {
             f.step(t0 + ms(at), FenceInput::Sent);
         }
         for at in [301u64, 601, 901] {
-            f.step(t0 + ms(at), FenceInput::Term { term: 5 });
-            assert_eq!(f.step(t0 + ms(at), FenceInput::Acked { ttl_secs: 2 }), None);
+            assert_eq!(answer(&mut f, t0 + ms(at), Some(5), 2), None);
         }
-        assert_eq!(
-            f.step(
-                t0 + ms(905),
-                FenceInput::Confirmed {
-                    term: 5,
-                    acks_before: f.acks_seen()
-                }
-            ),
-            Some(FenceOutput::Renewed {
-                deadline: t0 + ms(900 + 1380)
-            })
-        );
+        assert_eq!(confirm(&mut f, t0 + ms(905), 5), renewed_from(t0, 900));
         f.step(t0 + ms(1000), FenceInput::Sent);
-        assert_eq!(
-            f.step(t0 + ms(1001), FenceInput::Acked { ttl_secs: 0 }),
-            Some(FenceOutput::Lost {
-                cause: LostCause::EtcdExpired
-            })
-        );
+        assert_eq!(answer(&mut f, t0 + ms(1001), None, 0), EXPIRED);
     }
 
     #[test]
     fn without_freeze_answers_are_credited_at_once_and_reads_change_nothing() {
         let t0 = Instant::now();
-        let mut f = fence();
-        f.step(t0, FenceInput::Term { term: 3 });
-        f.step(
-            t0,
-            FenceInput::Granted {
-                sent_at: t0,
-                ttl_secs: 2,
-            },
-        );
+        let mut f = granted(fence(), Some(3), t0);
         f.step(t0 + ms(500), FenceInput::Sent);
-        f.step(t0 + ms(501), FenceInput::Term { term: 4 });
-        assert!(f
-            .step(t0 + ms(501), FenceInput::Acked { ttl_secs: 2 })
-            .is_some());
+        assert!(answer(&mut f, t0 + ms(501), Some(4), 2).is_some());
         assert!(!f.needs_confirmation());
         assert_eq!(
             f.step(
@@ -905,20 +738,13 @@ mod tests {
             ),
             None
         );
-        assert_eq!(f.deadline(), Some(t0 + ms(500 + 1380)));
+        assert_eq!(f.deadline(), Some(t0 + ms(500 + WINDOW)));
     }
 
     #[test]
     fn planted_bug_fences_only_at_expiry() {
         let t0 = Instant::now();
-        let mut f = fence().planted_bug_no_margin();
-        f.step(
-            t0,
-            FenceInput::Granted {
-                sent_at: t0,
-                ttl_secs: 2,
-            },
-        );
+        let mut f = granted(fence().planted_bug_no_margin(), None, t0);
         assert_eq!(f.deadline(), Some(t0 + ms(2000)));
         assert_eq!(f.step(t0 + ms(1999), FenceInput::Tick), None);
         assert!(f.step(t0 + ms(2000), FenceInput::Tick).is_some());
@@ -930,11 +756,7 @@ mod tests {
     /// planted bug it is not.
     #[test]
     fn holders_are_dead_before_the_earliest_expiry() {
-        let m = Margin {
-            drift_ppm: 10_000,
-            pause: ms(100),
-            kill: ms(500),
-        };
+        let m = MARGIN;
         let t0 = Instant::now();
         for ttl_secs in [2i64, 3, 5, 10] {
             let ttl = Duration::from_secs(ttl_secs as u64);
