@@ -338,15 +338,27 @@ impl Etcd {
     /// Whether this member is the cluster's leader now (its maintenance status says so);
     /// None when it does not answer.
     pub fn is_leader(&self) -> Option<bool> {
+        let v = self.status()?;
+        let me = v["header"]["member_id"].as_str()?.to_string();
+        let leader = v["leader"].as_str()?.to_string();
+        Some(me == leader)
+    }
+
+    /// This member's id (as in lockd's `member=…` log fields, there in hex); None when it
+    /// does not answer.
+    pub fn member_id(&self) -> Option<u64> {
+        // The JSON gateway writes 64-bit integers as decimal strings.
+        self.status()?["header"]["member_id"].as_str()?.parse().ok()
+    }
+
+    /// Its maintenance status (etcd's gRPC gateway).
+    fn status(&self) -> Option<serde_json::Value> {
         let r = crate::http::post_json(
             &format!("{}/v3/maintenance/status", self.client_url),
             "{}",
             Duration::from_millis(500),
         )?;
-        let v: serde_json::Value = serde_json::from_str(&r.body).ok()?;
-        let me = v["header"]["member_id"].as_str()?.to_string();
-        let leader = v["leader"].as_str()?.to_string();
-        Some(me == leader)
+        serde_json::from_str(&r.body).ok()
     }
 
     /// Kill this member (SIGKILL to its process group) and reap it.

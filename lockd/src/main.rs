@@ -808,6 +808,10 @@ async fn serve_etcd(a: ServeArgs, shutdown: impl std::future::Future<Output = ()
             .is_ok_and(|v| v == "1"),
         planted_bug_credit_unconfirmed: std::env::var("LOCKD_PLANTED_BUG_CREDIT_UNCONFIRMED")
             .is_ok_and(|v| v == "1"),
+        planted_bug_stay_on_stalled_member: std::env::var(
+            "LOCKD_PLANTED_BUG_STAY_ON_STALLED_MEMBER",
+        )
+        .is_ok_and(|v| v == "1"),
     };
     let server = match EtcdServer::bind(cfg).await {
         Ok(s) => s,

@@ -37,6 +37,9 @@ pub struct EtcdMetrics {
     pub expiry_revokes: Counter,
     /// etcd calls of the acquire path that failed (retried).
     pub etcd_errors: Counter,
+    /// Keepalive streams moved off an etcd member that stopped answering
+    /// ([`super::members`]).
+    pub member_moves: Counter,
 }
 
 impl Default for EtcdMetrics {
@@ -57,6 +60,7 @@ impl EtcdMetrics {
             term_changes: Counter::default(),
             expiry_revokes: Counter::default(),
             etcd_errors: Counter::default(),
+            member_moves: Counter::default(),
             registry: Registry::default(),
         };
         // prometheus-client appends `_total` to counters and adds the final full stop.
@@ -95,6 +99,11 @@ impl EtcdMetrics {
             "etcd calls of the acquire path that failed and were retried",
             m.etcd_errors.clone(),
         );
+        registry.register(
+            "lockd_etcd_keepalive_member_moves",
+            "Keepalive streams moved off an etcd member that stopped answering",
+            m.member_moves.clone(),
+        );
         EtcdMetrics { registry, ..m }
     }
 
@@ -127,6 +136,7 @@ mod tests {
         m.term_changes.inc();
         m.expiry_revokes.inc();
         m.etcd_errors.inc();
+        m.member_moves.inc();
         m.observe_rtt(Duration::from_millis(3));
         let text = m.render();
         for line in [
@@ -136,6 +146,7 @@ mod tests {
             "lockd_etcd_term_changes_total 1",
             "lockd_etcd_expiry_revokes_total 1",
             "lockd_etcd_errors_total 1",
+            "lockd_etcd_keepalive_member_moves_total 1",
             "lockd_etcd_keepalive_rtt_seconds_count 1",
             "lockd_etcd_keepalive_rtt_seconds_bucket{le=\"0.005\"} 1",
             "lockd_etcd_keepalive_rtt_seconds_bucket{le=\"0.0025\"} 0",

@@ -24,6 +24,7 @@ pub mod expiry;
 pub mod fence;
 pub mod gang;
 pub mod leader_change;
+pub mod members;
 pub mod metrics;
 pub mod mutex;
 pub mod server;
@@ -127,6 +128,9 @@ pub struct EtcdConfig {
     /// leader changes, credit a keepalive answer of the old term at once, without the
     /// linearizable read that proves the old leader renewed ([`fence`]).
     pub planted_bug_credit_unconfirmed: bool,
+    /// PLANTED BUG (tests only; `LOCKD_PLANTED_BUG_STAY_ON_STALLED_MEMBER=1`): a keepalive
+    /// stream to an etcd member that stopped answering stays there ([`members`]).
+    pub planted_bug_stay_on_stalled_member: bool,
 }
 
 /// TLS to etcd: the CA that signed etcd's serving certificate and, for etcd's

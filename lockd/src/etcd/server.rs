@@ -184,6 +184,8 @@ struct Ctx {
     /// crediting renewals at a raft term change ([`Fence::freeze_on_term_change`]).
     freeze_on_term_change: bool,
     client: Client,
+    /// One client per etcd endpoint, for the keepalive streams and the fence's reads.
+    members: Arc<super::members::Members>,
     reg: Mutex<Registry>,
     /// etcd leases granted and not yet revoked (revoked at shutdown).
     live: Mutex<std::collections::BTreeSet<i64>>,
@@ -319,6 +321,12 @@ impl EtcdServer {
                 .with_user(a.user.clone(), a.password.clone())
                 .with_auto_token_refresh(true);
         }
+        let members = Arc::new(super::members::Members::new(
+            cfg.endpoints.clone(),
+            opts.clone(),
+            cfg.op_timeout,
+            probe_key(&cfg.prefix),
+        ));
         let mut client = mutex::bounded(
             cfg.op_timeout,
             Client::connect(cfg.endpoints.clone(), Some(opts)),
@@ -380,6 +388,9 @@ impl EtcdServer {
         if cfg.planted_bug_credit_unconfirmed {
             warn!("PLANTED BUG: at leader changes the self-fence credits keepalive answers of the old term without a confirming read");
         }
+        if cfg.planted_bug_stay_on_stalled_member {
+            warn!("PLANTED BUG: a keepalive stream stays on an etcd member that stopped answering");
+        }
         let freeze = cfg.leader_change.fences(&etcd_version);
         match stale_leader_revokes(&etcd_version) {
             Some(true) if freeze => {
@@ -413,6 +424,7 @@ impl EtcdServer {
                 cfg,
                 freeze_on_term_change: freeze,
                 client,
+                members,
                 reg: Mutex::new(Registry::default()),
                 live: Mutex::new(std::collections::BTreeSet::new()),
                 ttl: ttl_ops::TtlShared::default(),
@@ -1942,8 +1954,7 @@ fn probe_key(prefix: &str) -> String {
 /// (server/etcdserver/api/v3rpc/key.go `Range`: `hdr.fill` after `kv.Range`; `raft_term` is
 /// the last applied entry's term, server.go `apply` → `setTerm`). So the old term here proves
 /// the renewals answered before the read were processed by the old term's leader.
-fn confirm_read(ctx: &Arc<Ctx>, acks_before: u64) -> ConfirmRead {
-    let mut client = ctx.client.clone();
+fn confirm_read(ctx: &Arc<Ctx>, mut client: Client, acks_before: u64) -> ConfirmRead {
     let key = probe_key(&ctx.cfg.prefix);
     let limit = ctx.cfg.op_timeout;
     Box::pin(async move {
@@ -1954,6 +1965,19 @@ fn confirm_read(ctx: &Arc<Ctx>, acks_before: u64) -> ConfirmRead {
             .and_then(|r| r.header().map(|h| h.raft_term()));
         (acks_before, term)
     })
+}
+
+/// The keepalive stream on `member` is silent or cannot be opened: prefer another member
+/// (waiting at most `limit` for one to answer), counted when the preference moves.
+async fn move_off(ctx: &Arc<Ctx>, member: usize, limit: Duration) {
+    if ctx
+        .members
+        .move_from(member, limit)
+        .await
+        .is_some_and(|to| to != member)
+    {
+        ctx.metrics.member_moves.inc();
+    }
 }
 
 /// Keep the session's lease alive and run its fence; on loss, tell the session and stop.
@@ -2029,7 +2053,9 @@ async fn keep_alive(
         let _ = tx.send(Msg::Lost { cause: c });
         return;
     }
-    let mut client = ctx.client.clone();
+    // A silent stream moves to another member (unless there is none, or the planted bug).
+    let moves = ctx.members.len() > 1 && !ctx.cfg.planted_bug_stay_on_stalled_member;
+    let stall = super::members::stall_after(every);
     // The raft term of the last keepalive answer (None: none yet). A change means a new etcd
     // leader; on etcd < 3.4.31 the former one, if it was stalled rather than dead, may still
     // revoke this lease when it resumes (etcd-io/etcd#15247): logged, so that a loss can be
@@ -2046,11 +2072,21 @@ async fn keep_alive(
             .deadline()
             .map(tokio::time::Instant::from_std)
             .unwrap_or_else(tokio::time::Instant::now);
+        // The stream's etcd member ([`super::members`]): the preferred one.
+        let member = ctx.members.preferred();
+        // On a member client: a member that cannot open the stream within the stall bound
+        // is passed over like a silent one.
+        let open_limit = if moves { stall } else { ctx.cfg.op_timeout };
+        let open = async {
+            let mut c = ctx.members.client(member).await?;
+            let ks = mutex::bounded(open_limit, c.lease_keep_alive(lease)).await?;
+            Ok::<_, EtcdError>((c, ks))
+        };
         let opened = tokio::select! {
-            r = mutex::bounded(ctx.cfg.op_timeout, client.lease_keep_alive(lease)) => Some(r),
+            r = open => Some(r),
             _ = tokio::time::sleep_until(deadline) => None,
         };
-        let (mut keeper, mut stream) = match opened {
+        let (client, mut keeper, mut stream) = match opened {
             None => {
                 if let Some(c) = report(fence.step(Instant::now(), FenceInput::Tick)) {
                     let _ = tx.send(Msg::Lost { cause: c });
@@ -2059,7 +2095,10 @@ async fn keep_alive(
                 continue;
             }
             Some(Err(e)) => {
-                debug!(session, lease = %lease_hex, error = %e, "cannot open the keepalive stream; retrying");
+                debug!(session, lease = %lease_hex, member = ctx.members.endpoint(member), error = %e, "cannot open the keepalive stream; retrying");
+                if moves {
+                    move_off(&ctx, member, every).await;
+                }
                 let wake = tokio::time::Instant::now() + Duration::from_millis(50);
                 tokio::time::sleep_until(wake.min(deadline)).await;
                 if let Some(c) = report(fence.step(Instant::now(), FenceInput::Tick)) {
@@ -2068,7 +2107,7 @@ async fn keep_alive(
                 }
                 continue;
             }
-            Some(Ok(ks)) => ks,
+            Some(Ok((c, (keeper, stream)))) => (c, keeper, stream),
         };
         fence.step(Instant::now(), FenceInput::StreamReset);
         // Send times of this stream's unanswered keepalives (etcd answers them in order).
@@ -2082,7 +2121,21 @@ async fn keep_alive(
                 .deadline()
                 .map(tokio::time::Instant::from_std)
                 .unwrap_or_else(tokio::time::Instant::now);
+            // When the oldest unanswered keepalive has waited `stall` (far off without one).
+            let stalled_at = unanswered.front().map_or(deadline + ttl, |s| {
+                tokio::time::Instant::from_std(*s + stall)
+            });
             tokio::select! {
+                _ = tokio::time::sleep_until(stalled_at), if moves && !unanswered.is_empty() => {
+                    info!(session, lease = %lease_hex, member = ctx.members.endpoint(member), unanswered = unanswered.len(),
+                        stall_ms = stall.as_millis() as u64,
+                        "keepalive stream silent: moving it to another etcd member");
+                    move_off(&ctx, member, every).await;
+                    // A confirming read on the silent member may hang as long: the next
+                    // answer on the new stream issues another.
+                    confirm = None;
+                    break;
+                }
                 _ = tokio::time::sleep_until(next_send) => {
                     next_send += every;
                     match tokio::time::timeout(every, keeper.keep_alive()).await {
@@ -2128,7 +2181,7 @@ async fn keep_alive(
                             return;
                         }
                         if confirm.is_none() && fence.needs_confirmation() {
-                            confirm = Some(confirm_read(&ctx, fence.acks_seen()));
+                            confirm = Some(confirm_read(&ctx, client.clone(), fence.acks_seen()));
                         }
                     }
                     Ok(None) | Err(_) => {
@@ -2152,7 +2205,7 @@ async fn keep_alive(
                         }
                         tell_frozen(&fence, &mut told_frozen, &tx, lease);
                         if fence.needs_confirmation() {
-                            confirm = Some(confirm_read(&ctx, fence.acks_seen()));
+                            confirm = Some(confirm_read(&ctx, client.clone(), fence.acks_seen()));
                         }
                     }
                 }

@@ -27,6 +27,7 @@ mod deadlock;
 mod etcd_auth;
 mod etcd_backend;
 mod etcd_gang;
+mod etcd_member_stall;
 mod etcd_metrics;
 mod etcd_tls;
 mod etcd_ttl;
