@@ -24,11 +24,16 @@ pub enum Chaos {
     LeaderKill,
     /// The etcd leader is SIGSTOPped for the window (then SIGCONT): no failover may happen.
     MemberPause,
+    /// An etcd follower is SIGSTOPped for the window (then SIGCONT): the one the holder's
+    /// lockd lists first (its keepalive streams are there and must move), or, when that one
+    /// leads, another. No leader changes: no failover may happen, with or without the
+    /// leader-change fence.
+    FollowerPause,
 }
 
 impl Chaos {
     /// Every kind, in the default round-robin order.
-    pub const ALL: [Chaos; 7] = [
+    pub const ALL: [Chaos; 8] = [
         Chaos::EngineKill,
         Chaos::SupervisorKill,
         Chaos::LockdKill,
@@ -36,11 +41,21 @@ impl Chaos {
         Chaos::Partition,
         Chaos::LeaderKill,
         Chaos::MemberPause,
+        Chaos::FollowerPause,
     ];
 
     /// Must the lease move to another node (true), or stay with the holder (false)?
     pub fn fails_over(self) -> bool {
-        !matches!(self, Chaos::LeaderKill | Chaos::MemberPause)
+        !matches!(
+            self,
+            Chaos::LeaderKill | Chaos::MemberPause | Chaos::FollowerPause
+        )
+    }
+
+    /// Does it make etcd elect a new leader (a raft term change, which lockd's
+    /// `--etcd-leader-change fence` answers with a safe failover)?
+    pub fn changes_leader(self) -> bool {
+        matches!(self, Chaos::LeaderKill | Chaos::MemberPause)
     }
 
     /// Is the holder stopped by a fence (lockd's self-fence or the supervisor's watchdog)
@@ -59,6 +74,7 @@ impl Chaos {
             Chaos::Partition => "partition",
             Chaos::LeaderKill => "leader-kill",
             Chaos::MemberPause => "member-pause",
+            Chaos::FollowerPause => "follower-pause",
         }
     }
 }
@@ -70,7 +86,16 @@ mod tests {
     #[test]
     fn only_the_etcd_kinds_keep_the_lease() {
         let keep: Vec<_> = Chaos::ALL.iter().filter(|c| !c.fails_over()).collect();
-        assert_eq!(keep, [&Chaos::LeaderKill, &Chaos::MemberPause]);
+        assert_eq!(
+            keep,
+            [
+                &Chaos::LeaderKill,
+                &Chaos::MemberPause,
+                &Chaos::FollowerPause
+            ]
+        );
+        let elect: Vec<_> = Chaos::ALL.iter().filter(|c| c.changes_leader()).collect();
+        assert_eq!(elect, [&Chaos::LeaderKill, &Chaos::MemberPause]);
         for c in Chaos::ALL {
             let v = serde_json::to_value(c).unwrap();
             assert_eq!(v, c.as_str());

@@ -131,7 +131,7 @@ pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed, limits: &Lim
     };
     let failover_ms = o.granted_us.map(|g| ms(g, o.injected_us));
     let lost = first_grant.is_some() || o.holder_left_active || o.engine_dead_us.is_some();
-    let fenced_by_leader_change = !kind.fails_over() && leader_change_fences && lost;
+    let fenced_by_leader_change = kind.changes_leader() && leader_change_fences && lost;
     if kind.fails_over() || fenced_by_leader_change {
         match (o.engine_dead_us, first_grant) {
             (None, Some(_)) => v.push(
@@ -324,9 +324,12 @@ mod tests {
         moved.granted_us = Some(10);
         moved.key_deleted_us = Some(9);
         moved.holder_left_active = true;
-        let t = judge(0, Chaos::LeaderKill, 0, moved, &limits(false));
+        let t = judge(0, Chaos::LeaderKill, 0, moved.clone(), &limits(false));
         assert_eq!(t.violations.len(), 4, "{:?}", t.violations);
         assert_eq!(t.margin_ms, None);
+        // A paused follower elects nobody: the leader-change fence excuses nothing.
+        let t = judge(0, Chaos::FollowerPause, 0, moved, &limits(true));
+        assert_eq!(t.violations.len(), 4, "{:?}", t.violations);
     }
 
     #[test]

@@ -112,7 +112,7 @@ pub fn between_trials(
 ) -> Option<Result<String, String>> {
     let e = expected.filter(|e| *e != holder)?;
     let what = format!("the lease moved between trials: n{e} was expected Active, n{holder} was");
-    Some(if fences && previous.is_some_and(|k| !k.fails_over()) {
+    Some(if fences && previous.is_some_and(Chaos::changes_leader) {
         Ok(format!(
             "cascade: {what} (the previous etcd leader change fenced it too)"
         ))
@@ -193,6 +193,11 @@ mod tests {
         ));
         assert!(matches!(
             between_trials(Some(1), 2, Some(Chaos::Partition), true),
+            Some(Err(_))
+        ));
+        // A paused follower changes no leader: nothing to cascade from.
+        assert!(matches!(
+            between_trials(Some(1), 2, Some(Chaos::FollowerPause), true),
             Some(Err(_))
         ));
         assert!(matches!(

@@ -51,6 +51,30 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
     let bound = ttl * 3 + Duration::from_secs(10);
     let death = DeathWatch::start(pids.clone(), bound + Duration::from_secs(10));
     let leader = super::leader(w)?;
+    // The etcd member the kind acts on: the leader, or for a follower pause the holder's
+    // lockd's first endpoint (its keepalive streams' member) unless that one leads.
+    let (target, target_note) = match kind {
+        Chaos::FollowerPause => {
+            let first = w.first_endpoint_of(holder);
+            if first == leader {
+                let f = (leader + 1) % w.etcd.len();
+                (
+                    f,
+                    Some(format!(
+                        "paused etcd member {f} (n{holder}'s first endpoint leads)"
+                    )),
+                )
+            } else {
+                (
+                    first,
+                    Some(format!(
+                        "paused etcd member {first}, n{holder}'s first endpoint"
+                    )),
+                )
+            }
+        }
+        _ => (leader, None),
+    };
 
     let injected_us = now_us();
     let mut o = Observed {
@@ -84,9 +108,9 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
             }
         }
         Chaos::Partition => w.net.partition(holder)?,
-        Chaos::LeaderKill => w.etcd[leader].kill(),
-        Chaos::MemberPause => {
-            w.etcd[leader].pause();
+        Chaos::LeaderKill => w.etcd[target].kill(),
+        Chaos::MemberPause | Chaos::FollowerPause => {
+            w.etcd[target].pause();
         }
     }
 
@@ -128,7 +152,7 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
         // leave Standby, its key stay.
         let half = ttl + ttl / 2;
         watch_quiet(w, holder, half, &mut o);
-        restore_etcd(w, kind, leader)?;
+        restore_etcd(w, kind, target)?;
         watch_quiet(w, holder, half, &mut o);
         if !w.wait_etcd_healthy(Duration::from_secs(30)) {
             return Err(anyhow!("etcd not healthy 30 s after the repair"));
@@ -149,7 +173,7 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
     drop(keys);
     let lost = o.new_holder.is_some() || o.holder_left_active || o.engine_dead_us.is_some();
     repair(w, kind, holder, kind.fails_over() || lost)?;
-    Ok(judge(
+    let mut t = judge(
         round,
         kind,
         holder,
@@ -160,7 +184,9 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
             w.cfg.kill_time.as_secs_f64() * 1e3,
             w.leader_change_fences,
         ),
-    ))
+    );
+    t.notes.extend(target_note);
+    Ok(t)
 }
 
 /// Undo the failure: etcd member back, node healed, lockd running, the fenced side (if it
@@ -175,7 +201,7 @@ fn repair(w: &mut World, kind: Chaos, holder: usize, holder_fenced: bool) -> Res
             }
         }
         // Restored inside the trial's window.
-        Chaos::LeaderKill | Chaos::MemberPause => {}
+        Chaos::LeaderKill | Chaos::MemberPause | Chaos::FollowerPause => {}
         Chaos::EngineKill | Chaos::SupervisorKill => {}
     }
     if holder_fenced {
@@ -190,11 +216,11 @@ fn repair(w: &mut World, kind: Chaos, holder: usize, holder_fenced: bool) -> Res
 }
 
 /// The etcd member of a no-failover kind back: restarted on its data, or SIGCONT.
-fn restore_etcd(w: &mut World, kind: Chaos, leader: usize) -> Result<()> {
+fn restore_etcd(w: &mut World, kind: Chaos, member: usize) -> Result<()> {
     match kind {
-        Chaos::LeaderKill => w.etcd[leader].restart()?,
-        Chaos::MemberPause => {
-            w.etcd[leader].resume();
+        Chaos::LeaderKill => w.etcd[member].restart()?,
+        Chaos::MemberPause | Chaos::FollowerPause => {
+            w.etcd[member].resume();
         }
         _ => {}
     }

@@ -258,6 +258,27 @@ impl World {
         v.join(",")
     }
 
+    /// The etcd member node `i`'s lockd lists first (its keepalive streams' member until one
+    /// stops answering), as a node lists its nearest member first: node `i` starts at member
+    /// `i + 1` (member 0 usually wins the first election, so node 0, the first holder, starts
+    /// on a follower and a `follower-pause` has its streams to move).
+    pub fn first_endpoint_of(&self, i: usize) -> usize {
+        (i + 1) % self.etcd.len().max(1)
+    }
+
+    /// Node `i`'s lockd's `--etcd-endpoints`: every member, from its first one on.
+    fn etcd_urls_of(&self, i: usize) -> String {
+        let n = self.etcd.len();
+        let v: Vec<&str> = (0..n)
+            .map(|k| {
+                self.etcd[(self.first_endpoint_of(i) + k) % n]
+                    .client_url
+                    .as_str()
+            })
+            .collect();
+        v.join(",")
+    }
+
     /// The node's address on the bridge.
     pub fn addr(&self, i: usize) -> Ipv4Addr {
         self.net.nodes[i].addr
@@ -272,7 +293,7 @@ impl World {
         let _ = std::fs::remove_file(&sock);
         let mut c = self.net.command_in(i, &self.bins.lockd);
         c.args(["serve", "--backend", "etcd", "--etcd-endpoints"])
-            .arg(self.etcd_urls())
+            .arg(self.etcd_urls_of(i))
             .arg("--listen")
             .arg(format!("unix:{}", sock.display()))
             .args(["--etcd-node", &format!("n{i}")])

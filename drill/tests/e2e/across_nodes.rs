@@ -60,9 +60,11 @@ fn violations(r: &Report) -> Vec<String> {
 }
 
 /// Two rounds of every kind that must fail over (engine, supervisor, lockd killed, lockd
-/// frozen) and of the etcd leader's kill (which must not, with `--etcd-leader-change trust`:
-/// the lease survives the election): no violation, every failover with the holder's engine
-/// dead before its key was deleted and before the new grant.
+/// frozen), of the etcd leader's kill (which must not, with `--etcd-leader-change trust`:
+/// the lease survives the election) and of a paused etcd follower, the one the holder's
+/// lockd streams its keepalives to (which must not either: the streams move): no violation,
+/// every failover with the holder's engine dead before its key was deleted and before the
+/// new grant.
 #[test]
 fn every_chaos_kind_across_nodes_keeps_the_invariants() {
     let _process = harness::serial();
@@ -72,12 +74,13 @@ fn every_chaos_kind_across_nodes_keeps_the_invariants() {
         Chaos::LockdKill,
         Chaos::LockdStop,
         Chaos::LeaderKill,
+        Chaos::FollowerPause,
     ];
     let cfg = Config {
         leader_change: LeaderChange::Trust,
         ..config()
     };
-    let Some(r) = drill("across_nodes::every_chaos_kind", cfg, &kinds, 10) else {
+    let Some(r) = drill("across_nodes::every_chaos_kind", cfg, &kinds, 12) else {
         return;
     };
     assert_eq!(violations(&r), Vec::<String>::new());
