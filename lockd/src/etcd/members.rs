@@ -142,13 +142,13 @@ impl Members {
                     Ordering::Relaxed,
                 );
                 info!(from = self.endpoint(stalled), to = self.endpoint(j),
-                    "etcd member did not answer a keepalive in time; keepalive streams move to another member");
+                    "etcd member did not answer in time (a keepalive, or a new stream); keepalive streams move to another member");
                 Some(self.preferred())
             }
             None => {
                 warn!(
                     from = self.endpoint(stalled),
-                    "etcd member did not answer a keepalive in time and no other member answered"
+                    "etcd member did not answer in time (a keepalive, or a new stream) and no other member answered"
                 );
                 None
             }
