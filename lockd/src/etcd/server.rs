@@ -1968,14 +1968,14 @@ fn confirm_read(ctx: &Arc<Ctx>, mut client: Client, acks_before: u64) -> Confirm
 }
 
 /// The keepalive stream on `member` is silent or cannot be opened: prefer another member
-/// (waiting at most `limit` for one to answer), counted when the preference moves.
-async fn move_off(ctx: &Arc<Ctx>, member: usize, limit: Duration) {
-    if ctx
-        .members
-        .move_from(member, limit)
-        .await
-        .is_some_and(|to| to != member)
-    {
+/// (waiting at most `limit` for one to answer, and never past the fence's `deadline`: the
+/// caller must be back to tell its holders in time), counted when the preference moves.
+async fn move_off(ctx: &Arc<Ctx>, member: usize, limit: Duration, deadline: tokio::time::Instant) {
+    let moved = tokio::select! {
+        to = ctx.members.move_from(member, limit) => to.is_some_and(|to| to != member),
+        _ = tokio::time::sleep_until(deadline) => false,
+    };
+    if moved {
         ctx.metrics.member_moves.inc();
     }
 }
@@ -2097,7 +2097,7 @@ async fn keep_alive(
             Some(Err(e)) => {
                 debug!(session, lease = %lease_hex, member = ctx.members.endpoint(member), error = %e, "cannot open the keepalive stream; retrying");
                 if moves {
-                    move_off(&ctx, member, every).await;
+                    move_off(&ctx, member, every, deadline).await;
                 }
                 let wake = tokio::time::Instant::now() + Duration::from_millis(50);
                 tokio::time::sleep_until(wake.min(deadline)).await;
@@ -2130,7 +2130,7 @@ async fn keep_alive(
                     info!(session, lease = %lease_hex, member = ctx.members.endpoint(member), unanswered = unanswered.len(),
                         stall_ms = stall.as_millis() as u64,
                         "keepalive stream silent: moving it to another etcd member");
-                    move_off(&ctx, member, every).await;
+                    move_off(&ctx, member, every, deadline).await;
                     // A confirming read on the silent member may hang as long: the next
                     // answer on the new stream issues another.
                     confirm = None;
