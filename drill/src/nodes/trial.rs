@@ -56,22 +56,16 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
     let (target, target_note) = match kind {
         Chaos::FollowerPause => {
             let first = w.first_endpoint_of(holder);
-            if first == leader {
-                let f = (leader + 1) % w.etcd.len();
-                (
-                    f,
-                    Some(format!(
-                        "paused etcd member {f} (n{holder}'s first endpoint leads)"
-                    )),
-                )
+            let (f, why) = if first == leader {
+                ((leader + 1) % w.etcd.len(), "leads")
             } else {
-                (
-                    first,
-                    Some(format!(
-                        "paused etcd member {first}, n{holder}'s first endpoint"
-                    )),
-                )
-            }
+                (first, "paused")
+            };
+            // The listed first endpoint; its streams may have moved off it in an earlier trial.
+            let note = format!(
+                "paused etcd member {f}; n{holder}'s first endpoint (member {first}) {why}"
+            );
+            (f, Some(note))
         }
         _ => (leader, None),
     };
