@@ -31,6 +31,11 @@ pub struct Observed {
     /// printed with a violation, not judged.
     #[serde(default)]
     pub holder_left: Option<(u64, String)>,
+    /// When the holder node's lockd began revoking the holder's etcd lease because its session
+    /// ended (connection and every anchor closed, which only the death of the holder's whole
+    /// process tree does), if that revoke succeeded (from lockd's log).
+    #[serde(default)]
+    pub holder_released_us: Option<u64>,
 }
 
 /// One trial's result, as reported.
@@ -109,6 +114,20 @@ fn told(o: &Observed, dead_us: u64) -> u64 {
         .map_or(dead_us, |t| t.min(dead_us))
 }
 
+/// Slack (µs) between the engine's death as the poller saw it and lockd's view of it: lockd
+/// sees the anchors close at the processes' exit, the poller (1 ms, a zombie counts as alive)
+/// a little after.
+const DEATH_SLACK_US: u64 = 50_000;
+
+/// Whether the holder's key went because the holder itself was gone: lockd revoked its lease
+/// at the end of its session, begun no earlier than the engine's death (within the slack) and
+/// no later than the first possible grant `g`. No kill budget is owed then: a slower engine
+/// would have held its session, and so its key, until its own death.
+fn released_after_death(o: &Observed, dead_us: u64, g: u64) -> bool {
+    o.holder_released_us
+        .is_some_and(|r| r + DEATH_SLACK_US >= dead_us && r <= g)
+}
+
 /// Judges one trial against `limits` ([`Limits`]).
 pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed, limits: &Limits) -> Trial {
     let Limits {
@@ -148,7 +167,9 @@ pub fn judge(round: usize, kind: Chaos, holder: usize, o: Observed, limits: &Lim
                 ms(d, g)
             )),
             (Some(d), Some(g))
-                if (kind.fenced() || fenced_by_leader_change) && ms(g, told(&o, d)) < kill_ms =>
+                if (kind.fenced() || fenced_by_leader_change)
+                    && ms(g, told(&o, d)) < kill_ms
+                    && !released_after_death(&o, d, g) =>
             {
                 v.push(format!(
                 "the holder was told to fence only {:.1} ms before anyone could be granted (its engine dead {:.1} ms before), less than its kill budget {kill_ms:.0} ms",
@@ -307,6 +328,33 @@ mod tests {
         o.granted_us = None;
         let t = judge(0, Chaos::LockdKill, 0, o, &limits(false));
         assert!(t.violations[0].contains("no other node"));
+    }
+
+    /// CI's trial (session 13): the fence and the supervisor's own watchdog fired together,
+    /// the engine died at once, and lockd revoked the lease as the session ended, 5 ms later:
+    /// no kill budget is owed to a holder that is gone. Anything else short of it still is.
+    #[test]
+    fn a_release_after_the_holders_death_owes_no_kill_budget() {
+        let mut o = failover(2_966_000, 2_971_000, 4_865_000);
+        o.holder_left = Some((2_966_000, "LockLost(\"no sign of life…\")".into()));
+        let short = |o: &Observed| {
+            judge(0, Chaos::MemberPause, 0, o.clone(), &limits(true))
+                .violations
+                .iter()
+                .any(|v| v.contains("kill budget"))
+        };
+        assert!(short(&o), "without lockd's release it is short");
+        o.holder_released_us = Some(2_966_900);
+        assert!(!short(&o), "released after the death, before the deletion");
+        assert!(judge(0, Chaos::MemberPause, 0, o.clone(), &limits(true))
+            .violations
+            .is_empty());
+        // Released well before the engine was seen dead, or only after the key went: the key
+        // did not go because the holder was gone.
+        o.holder_released_us = Some(2_900_000);
+        assert!(short(&o));
+        o.holder_released_us = Some(2_972_000);
+        assert!(short(&o));
     }
 
     #[test]

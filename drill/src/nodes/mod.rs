@@ -159,10 +159,11 @@ fn timeline(o: &judge::Observed) -> String {
         })
     };
     format!(
-        "holder left Active {} by {}; engine dead {}; key deleted {}; granted {}",
+        "holder left Active {} by {}; engine dead {}; lockd released its lease {}; key deleted {}; granted {}",
         after(o.holder_left.as_ref().map(|h| h.0)),
         o.holder_left.as_ref().map_or("-", |h| h.1.as_str()),
         after(o.engine_dead_us),
+        after(o.holder_released_us),
         after(o.key_deleted_us),
         after(o.granted_us)
     )

@@ -160,6 +160,11 @@ pub fn run(w: &mut World, round: usize, kind: Chaos, holder: usize) -> Result<Tr
         .as_ref()
         .and_then(|s| logged_leaving_active(&s.proc.log_text(), injected_us));
     o.key_deleted_us = keys.iter().filter_map(|k| k.deleted_us(&key)).min();
+    // The holder's lock key is named after its session's etcd lease (`PREFIX/RESOURCE/LEASE`).
+    o.holder_released_us = key.rsplit('/').next().and_then(|lease| {
+        let log = std::fs::read_to_string(w.nodes[holder].dir.join("lockd.log")).ok()?;
+        logged_release(&log, lease, injected_us)
+    });
     let mut claims = w.claim_violations();
     let now = claims.len();
     o.claim_violations = claims.split_off(w.claims_seen.min(now));
@@ -285,8 +290,80 @@ fn logged_leaving_active(log: &str, since_us: u64) -> Option<(u64, String)> {
         .find(|(at, _)| *at >= since_us)
 }
 
+/// When lockd began the successful revoke of etcd lease `lease` (hex) at its session's end,
+/// at or after `since_us`: its line `… session's etcd lease revoked session=… lease=LEASE
+/// revoked=true took_us=T` is logged when the revoke returns, so the start is the line's
+/// timestamp (RFC 3339, UTC, µs) less T.
+fn logged_release(log: &str, lease: &str, since_us: u64) -> Option<u64> {
+    let field = format!(" lease={lease} ");
+    log.lines()
+        .filter(|l| {
+            l.contains("session's etcd lease revoked")
+                && l.contains(&field)
+                && l.contains(" revoked=true ")
+        })
+        .filter_map(|l| {
+            let at = rfc3339_us(l.split_whitespace().next()?)?;
+            let rest = &l[l.find(" took_us=")? + " took_us=".len()..];
+            let took: u64 = rest
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+                .parse()
+                .ok()?;
+            at.checked_sub(took)
+        })
+        .find(|at| *at >= since_us)
+}
+
+/// `YYYY-MM-DDTHH:MM:SS.ffffffZ` (tracing's timestamps, UTC) → µs since the Unix epoch.
+fn rfc3339_us(t: &str) -> Option<u64> {
+    let t = t.strip_suffix('Z')?;
+    let (date, time) = t.split_once('T')?;
+    let mut d = date.splitn(3, '-').map(|x| x.parse::<i64>().ok());
+    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
+    let (hms, frac) = time.split_once('.').unwrap_or((time, "0"));
+    let mut h = hms.splitn(3, ':').map(|x| x.parse::<i64>().ok());
+    let (hh, mm, ss) = (h.next()??, h.next()??, h.next()??);
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let yy = if m <= 2 { y - 1 } else { y };
+    let era = yy.div_euclid(400);
+    let yoe = yy - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let digits: String = frac.chars().take(6).collect();
+    let micros = digits.parse::<i64>().ok()? * 10_i64.pow(6 - digits.len() as u32);
+    let secs = days * 86_400 + hh * 3_600 + mm * 60 + ss;
+    u64::try_from(secs * 1_000_000 + micros).ok()
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn lockds_release_of_the_holders_lease_is_found_with_its_start() {
+        let log = "2026-11-26T17:41:34.723084Z  INFO lockd::etcd::server: session's etcd lease revoked session=2 lease=1290a218f2c18d08 revoked=true took_us=4157\n\
+                   2026-11-26T17:41:35.000000Z  INFO lockd::etcd::server: session's etcd lease revoked session=3 lease=aaaa revoked=false took_us=3000000\n";
+        // 2026-11-26T17:41:34.723084Z is 1_795_714_894.723084 s after the epoch.
+        assert_eq!(
+            super::rfc3339_us("2026-11-26T17:41:34.723084Z"),
+            Some(1_795_714_894_723_084)
+        );
+        assert_eq!(super::rfc3339_us("1970-01-01T00:00:01.5Z"), Some(1_500_000));
+        assert_eq!(super::rfc3339_us("not a time"), None);
+        assert_eq!(
+            super::logged_release(log, "1290a218f2c18d08", 0),
+            Some(1_795_714_894_723_084 - 4157)
+        );
+        // A failed revoke (a partition) is no release; nor is one before the injection.
+        assert_eq!(super::logged_release(log, "aaaa", 0), None);
+        assert_eq!(
+            super::logged_release(log, "1290a218f2c18d08", 1_795_714_895_000_000),
+            None
+        );
+    }
+
     #[test]
     fn the_holders_move_out_of_active_is_found_with_its_event() {
         let log = "a transition engine_id=0 from=\"standby\" to=\"waking\" event=LockGranted at_unix_us=90\n\
