@@ -99,6 +99,7 @@ fn run(a: Args) -> anyhow::Result<i32> {
         election: a.election,
         leader_change: a.leader_change,
         keep_dir: a.keep,
+        keep_on_violation: true,
     };
     let out = nodes::run(cfg, &kinds, a.rounds, |t| {
         println!("{}", nodes::trial_line(t))

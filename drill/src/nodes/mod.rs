@@ -94,7 +94,7 @@ pub fn run(
     }
     let report = Report::new(ttl_ms, trials);
     // Violations: keep every log for the diagnosis (the path is printed on drop).
-    if report.violations() > 0 {
+    if report.violations() > 0 && w.cfg.keep_on_violation {
         w.cfg.keep_dir = true;
     }
     Ok(Outcome::Ran(report))

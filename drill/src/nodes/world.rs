@@ -48,6 +48,9 @@ pub struct Config {
     pub leader_change: LeaderChange,
     /// Keep the directory (logs) after the run.
     pub keep_dir: bool,
+    /// Keep it also when a trial violates an invariant (for the diagnosis); off where
+    /// violations are the expected result (planted-bug tests), so they leave nothing behind.
+    pub keep_on_violation: bool,
 }
 
 /// Why the world could not start: `Skip` when this machine cannot run it at all.

@@ -20,6 +20,7 @@ fn config() -> Config {
         election: Duration::from_millis(500),
         leader_change: LeaderChange::Auto,
         keep_dir: std::env::var_os("DRILL_NODES_KEEP").is_some(),
+        keep_on_violation: true,
     }
 }
 
@@ -135,6 +136,8 @@ fn planted_bug_without_the_watchdog_is_caught() {
     let _process = harness::serial();
     let cfg = Config {
         watchdog: None,
+        // Its violations are expected: nothing to keep.
+        keep_on_violation: false,
         ..config()
     };
     let Some(r) = drill(
@@ -164,6 +167,7 @@ fn planted_bug_fence_without_margin_is_caught_by_the_partition_check() {
     let _process = harness::serial();
     let cfg = Config {
         lockd_env: vec![("LOCKD_PLANTED_BUG_FENCE_NO_MARGIN".into(), "1".into())],
+        keep_on_violation: false,
         ..config()
     };
     let Some(r) = drill(
