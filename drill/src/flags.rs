@@ -34,7 +34,9 @@ pub struct DrillArgs {
 
     /// Failure kinds, comma-separated: engine-kill, supervisor-kill, detached-worker,
     /// hung-wake, lockd-crash, revoke (`all`: these six), lockd-crash-then-supervisor-kill,
-    /// revoke-during-reconnect, lockd-crash-during-wake, double-kill (`compound`: these four).
+    /// revoke-during-reconnect, lockd-crash-during-wake, double-kill (`compound`: these four);
+    /// engine-child-kill (vLLM's EngineCore), worker-kill (a vLLM Worker), stop (SIGTERM of the
+    /// Active supervisor) (`engine-ends`: these three and engine-kill).
     #[arg(
         long,
         env = "SUPERVISOR_DRILL_KINDS",

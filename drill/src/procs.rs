@@ -42,6 +42,35 @@ pub fn descendants(root: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Whether `pid` is Python multiprocessing's resource tracker (not an engine process).
+fn is_resource_tracker(pid: u32) -> bool {
+    procfs::cmdline(pid as i32).contains("multiprocessing.resource_tracker")
+}
+
+/// The first live child of the engine's main process `engine` (vLLM: its EngineCore;
+/// fake-engine: its first worker), Python's resource tracker left out.
+pub fn engine_child(engine: u32) -> Option<u32> {
+    let mut kids: Vec<u32> = procfs::children(engine as i32)?
+        .into_iter()
+        .filter_map(|p| u32::try_from(p).ok())
+        .filter(|p| !is_resource_tracker(*p) && procfs::alive(*p as i32))
+        .collect();
+    kids.sort_unstable();
+    kids.first().copied()
+}
+
+/// The newest live leaf of the engine's tree (vLLM: a Worker under its EngineCore;
+/// fake-engine: its last worker), Python's resource tracker left out.
+pub fn engine_leaf(engine: u32) -> Option<u32> {
+    let all = procfs::all();
+    let tree = procfs::descendants_in(engine as i32, &all);
+    tree.iter()
+        .filter(|p| p.is_alive() && !tree.iter().any(|c| c.ppid == p.pid))
+        .filter_map(|p| u32::try_from(p.pid).ok())
+        .filter(|p| !is_resource_tracker(*p))
+        .max()
+}
+
 /// Makes this process adopt orphaned descendants (a detached worker whose supervisor was
 /// killed re-parents here, so the drill can still find, kill and reap it).
 pub fn become_subreaper() -> nix::Result<()> {

@@ -41,6 +41,16 @@ pub enum FailureKind {
     /// Compound: the Active engine's main process is SIGKILLed and, 0-5 ms later, its
     /// supervisor (while it fences).
     DoubleKill,
+    /// SIGKILL of the first child of the Active engine's main process (vLLM: its
+    /// `VLLM::EngineCore`; fake-engine: its first worker). The main process lives on and
+    /// reports the engine dead on `/health`, then exits by itself seconds later.
+    EngineChildKill,
+    /// SIGKILL of a leaf of the Active engine's tree (vLLM: a `VLLM::Worker`; fake-engine:
+    /// its last worker).
+    WorkerKill,
+    /// SIGTERM of the Active supervisor (a rollout, a node drain, kubelet stopping the
+    /// container): it stops its engine (main process first) and exits 0.
+    Stop,
 }
 
 impl FailureKind {
@@ -62,8 +72,18 @@ impl FailureKind {
         FailureKind::DoubleKill,
     ];
 
-    /// Every kind the drill knows: [`Self::ALL`] then [`Self::COMPOUND`] (summary order).
-    pub const EVERY: [FailureKind; 10] = [
+    /// How a real engine's life ends (`--kinds engine-ends`): a SIGKILL of its main process,
+    /// of its first child, of a leaf of its tree, and a stop of its supervisor.
+    pub const ENGINE_ENDS: [FailureKind; 4] = [
+        FailureKind::EngineKill,
+        FailureKind::EngineChildKill,
+        FailureKind::WorkerKill,
+        FailureKind::Stop,
+    ];
+
+    /// Every kind the drill knows: [`Self::ALL`], [`Self::COMPOUND`], then the engine-tree
+    /// kills not in `ALL` (summary order).
+    pub const EVERY: [FailureKind; 13] = [
         FailureKind::EngineKill,
         FailureKind::SupervisorKill,
         FailureKind::DetachedWorker,
@@ -74,6 +94,9 @@ impl FailureKind {
         FailureKind::RevokeDuringReconnect,
         FailureKind::LockdCrashDuringWake,
         FailureKind::DoubleKill,
+        FailureKind::EngineChildKill,
+        FailureKind::WorkerKill,
+        FailureKind::Stop,
     ];
 
     /// The name used on the command line, in logs and in the report.
@@ -89,6 +112,9 @@ impl FailureKind {
             FailureKind::RevokeDuringReconnect => "revoke-during-reconnect",
             FailureKind::LockdCrashDuringWake => "lockd-crash-during-wake",
             FailureKind::DoubleKill => "double-kill",
+            FailureKind::EngineChildKill => "engine-child-kill",
+            FailureKind::WorkerKill => "worker-kill",
+            FailureKind::Stop => "stop",
         }
     }
 
@@ -130,7 +156,7 @@ impl fmt::Display for FailureKind {
 
 /// An unknown failure kind on the command line.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown failure kind {0:?} (expected one of engine-kill, supervisor-kill, detached-worker, hung-wake, lockd-crash, revoke, lockd-crash-then-supervisor-kill, revoke-during-reconnect, lockd-crash-during-wake, double-kill, all, compound)")]
+#[error("unknown failure kind {0:?} (expected one of engine-kill, supervisor-kill, detached-worker, hung-wake, lockd-crash, revoke, lockd-crash-then-supervisor-kill, revoke-during-reconnect, lockd-crash-during-wake, double-kill, engine-child-kill, worker-kill, stop, all, compound, engine-ends)")]
 pub struct UnknownKind(pub String);
 
 impl FromStr for FailureKind {
@@ -156,6 +182,7 @@ pub fn parse_kinds(list: &[String]) -> Result<Vec<FailureKind>, UnknownKind> {
         let set: &[FailureKind] = match item {
             "all" => &FailureKind::ALL,
             "compound" => &FailureKind::COMPOUND,
+            "engine-ends" => &FailureKind::ENGINE_ENDS,
             _ => &[],
         };
         if !set.is_empty() {
@@ -362,6 +389,14 @@ mod tests {
             FailureKind::COMPOUND.to_vec()
         );
         assert_eq!(parse_kinds(&["all".into()]).unwrap().len(), 6);
+        assert_eq!(
+            parse_kinds(&["engine-ends".into()]).unwrap(),
+            FailureKind::ENGINE_ENDS.to_vec()
+        );
+        assert_eq!(
+            "worker-kill".parse::<FailureKind>(),
+            Ok(FailureKind::WorkerKill)
+        );
         assert_eq!(
             parse_kinds(&["double-kill,all,compound".into()])
                 .unwrap()

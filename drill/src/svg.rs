@@ -25,6 +25,9 @@ fn kind_color(k: FailureKind) -> RGBColor {
         FailureKind::RevokeDuringReconnect => RGBColor(127, 127, 127),
         FailureKind::LockdCrashDuringWake => RGBColor(188, 189, 34),
         FailureKind::DoubleKill => RGBColor(23, 190, 207),
+        FailureKind::EngineChildKill => RGBColor(57, 59, 121),
+        FailureKind::WorkerKill => RGBColor(173, 73, 74),
+        FailureKind::Stop => RGBColor(99, 121, 57),
     }
 }
 

@@ -91,6 +91,12 @@ pub struct Args {
     /// exit and linger, holding every inherited fd, then exit). 0: they die with it.
     #[arg(long, env = "FAKE_ENGINE_WORKER_LINGER", value_parser = dur, default_value = "0s")]
     pub worker_linger: Duration,
+    /// What vLLM does when its EngineCore or a worker dies (measured with vLLM 0.32's CPU
+    /// build, tests/real-vllm/README.md): `/health` answers 503 and completions 500 at once,
+    /// and the API server exits with status 0 this long after. A worker's death is seen
+    /// within 50 ms. `0s`: exit at once.
+    #[arg(long, env = "FAKE_ENGINE_WORKER_DEATH_EXIT", value_parser = dur, default_value = "2s")]
+    pub worker_death_exit: Duration,
     /// Simulated GPU directory (`gms_client::simdev` format): register the engine's processes
     /// there while the GPU claim is held.
     #[arg(long, env = "FAKE_ENGINE_GPU_SIM")]

@@ -724,6 +724,39 @@ async fn handle(e: Arc<Engine>, req: Request<Incoming>) -> Response<Full<Bytes>>
     }
 }
 
+/// Watches the (non-detached) workers, the engine's children: when one has died, the engine
+/// is dead as vLLM's is when its EngineCore or a worker dies (`/health` 503, completions 500),
+/// and the process exits with status 0 after `--worker-death-exit`.
+async fn watch_workers(e: Arc<Engine>) {
+    use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+    let workers: Vec<nix::unistd::Pid> = e.pids[1..]
+        .iter()
+        .map(|p| nix::unistd::Pid::from_raw(*p as i32))
+        .collect();
+    if workers.is_empty() || e.args.detach_workers {
+        return;
+    }
+    loop {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let dead = workers.iter().find_map(|w| {
+            match waitpid(*w, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) => None,
+                Ok(st) => Some(format!("{w}: {st:?}")),
+                // Not our child any more (already reaped): dead too.
+                Err(_) => Some(format!("{w}: gone")),
+            }
+        });
+        if let Some(what) = dead {
+            tracing::error!(target: "fake_engine", engine_id = e.args.engine_id, worker = %what,
+                exit_after_ms = e.args.worker_death_exit.as_millis() as u64,
+                "a worker died: engine dead (/health 503); exiting with status 0 after the delay");
+            e.update(|s| s.failing = true);
+            tokio::time::sleep(e.args.worker_death_exit).await;
+            std::process::exit(0);
+        }
+    }
+}
+
 /// Serves the API on `--host`:`--port` until the process is killed.
 pub async fn serve(engine: Engine) -> anyhow::Result<()> {
     let listener =
@@ -734,6 +767,7 @@ pub async fn serve(engine: Engine) -> anyhow::Result<()> {
         "fake-engine serving"
     );
     let engine = Arc::new(engine);
+    tokio::spawn(watch_workers(engine.clone()));
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,

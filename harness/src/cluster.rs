@@ -86,14 +86,19 @@ impl Cluster {
             .args(["--health-interval", "200ms", "--startup-poll", "20ms"])
             .args(["--restart", o.restart])
             .args(&o.sup_args)
-            .arg("--")
-            .arg(must_bin("fake-engine"))
-            .args(["--port", &engine.port().to_string()])
-            .arg("--gpu-claim")
-            .arg(&self.claim)
-            .arg("--pid-file")
-            .arg(&pid_file)
-            .args(&o.engine_args);
+            .arg("--");
+        if let Some(real) = &o.real_engine {
+            cmd.args((real.argv)(&real.vllm, engine.port()))
+                .envs(real.env.iter().copied());
+        } else {
+            cmd.arg(must_bin("fake-engine"))
+                .args(["--port", &engine.port().to_string()])
+                .arg("--gpu-claim")
+                .arg(&self.claim)
+                .arg("--pid-file")
+                .arg(&pid_file)
+                .args(&o.engine_args);
+        }
         // Keep the environment of the test runner from configuring the supervisor (except
         // the test-only planted-bug switches, which only a planted build reads).
         for (k, _) in std::env::vars() {

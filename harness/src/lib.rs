@@ -12,6 +12,8 @@
 //! * [`mod@serial`]: the process guards of a test binary: [`serial()`] (alone) and
 //!   [`shared()`] (beside other shared tests),
 //! * [`mod@skip`]: recorded skips (`FAILOVER_SKIP_LOG`),
+//! * [`vllm`]: a real vLLM (CPU build) prepared by `tests/real-vllm/setup`, its process tree,
+//!   exit times through pidfds,
 //! * [`wait`]: bounded polling, [`net`]: free loopback ports, [`clock`]: wall-clock µs,
 //! * [`stats`]: the one percentile definition (nearest rank) every report uses,
 //! * [`http`]: the one HTTP client (ureq; loopback, plain HTTP, bounded by a timeout).
@@ -35,6 +37,7 @@ pub mod serial;
 pub mod skip;
 pub mod stats;
 pub mod supervisor;
+pub mod vllm;
 pub mod wait;
 
 pub use bins::{bin, must_bin, HarnessError};

@@ -36,6 +36,20 @@ pub struct SupOpts {
     /// `--lock` endpoint instead of the cluster's own lockd (e.g. one of several etcd-backed
     /// lockds standing for nodes).
     pub lock: Option<String>,
+    /// A real engine instead of fake-engine: its command (given the engine port) and the
+    /// environment it needs (set on the supervisor, which the engine inherits).
+    pub real_engine: Option<RealEngine>,
+}
+
+/// A real engine's command line for a given port, and its environment.
+#[derive(Clone, Debug)]
+pub struct RealEngine {
+    /// argv, given the port the engine must serve on.
+    pub argv: fn(&crate::vllm::RealVllm, u16) -> Vec<std::ffi::OsString>,
+    /// The prepared engine.
+    pub vllm: crate::vllm::RealVllm,
+    /// Environment.
+    pub env: Vec<(&'static str, &'static str)>,
 }
 
 impl SupOpts {
@@ -50,7 +64,18 @@ impl SupOpts {
             restart: "never",
             addrs: None,
             lock: None,
+            real_engine: None,
         }
+    }
+
+    /// Run this real vLLM instead of fake-engine.
+    pub fn real_vllm(mut self, vllm: &crate::vllm::RealVllm) -> SupOpts {
+        self.real_engine = Some(RealEngine {
+            argv: crate::vllm::RealVllm::argv,
+            vllm: vllm.clone(),
+            env: crate::vllm::RealVllm::env(),
+        });
+        self
     }
 
     /// Connect to this lockd endpoint (`unix:PATH` / `tcp:HOST:PORT`) instead of the

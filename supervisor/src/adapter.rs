@@ -281,6 +281,59 @@ impl AdapterKind {
     }
 }
 
+/// What the supervisor should say once, at its start, about the engine command it was given
+/// (pure: the command line, `VLLM_SERVER_DEV_MODE` as the engine will inherit it, the stop
+/// grace). Each entry is one warning line.
+pub fn command_notes(
+    kind: AdapterKind,
+    argv: &[std::ffi::OsString],
+    dev_mode: Option<&str>,
+    stop_grace: Duration,
+) -> Vec<String> {
+    if kind != AdapterKind::Vllm {
+        return Vec::new();
+    }
+    let args: Vec<String> = argv
+        .iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let flag = |name: &str| {
+        let eq = format!("{name}=");
+        args.iter().enumerate().find_map(|(i, a)| {
+            if a == name {
+                Some(args.get(i + 1).cloned().unwrap_or_default())
+            } else {
+                a.strip_prefix(&eq).map(str::to_string)
+            }
+        })
+    };
+    let mut notes = Vec::new();
+    if dev_mode != Some("1") {
+        // vllm/entrypoints/serve/__init__.py mounts the sleep router only when
+        // envs.VLLM_SERVER_DEV_MODE is set.
+        notes.push(
+            "VLLM_SERVER_DEV_MODE is not 1: vLLM will not serve /sleep, /wake_up and /is_sleeping, so the engine cannot sleep as a shadow".to_string(),
+        );
+    }
+    if flag("--enable-sleep-mode").is_none() {
+        // vLLM's CPU platform refuses --enable-sleep-mode ("Sleep mode is not supported on
+        // current platform"); its /sleep still pauses the scheduler.
+        notes.push(
+            "vLLM runs without --enable-sleep-mode (a CPU build refuses it): /sleep pauses the engine but frees no memory, so a sleeping shadow keeps its weights and KV cache resident".to_string(),
+        );
+    }
+    // vllm/entrypoints/cli/serve.py / launcher.py: --shutdown-timeout N lets in-flight requests
+    // finish for up to N seconds after SIGTERM; the stop grace must outlast it.
+    if let Some(secs) = flag("--shutdown-timeout").and_then(|v| v.parse::<f64>().ok()) {
+        if secs > 0.0 && Duration::from_secs_f64(secs.min(1e9)) >= stop_grace {
+            notes.push(format!(
+                "vLLM drains for up to --shutdown-timeout {secs} s after SIGTERM but --stop-grace is {stop_grace:?}: a drain longer than the grace is cut by SIGKILL"
+            ));
+        }
+    }
+    notes
+}
+
 /// Executes an adapter's calls against one engine.
 #[derive(Clone, Debug)]
 pub struct EngineClient {
@@ -433,6 +486,32 @@ mod tests {
             .iter()
             .map(|c| (c.method.clone(), c.path.as_str(), c.json_body))
             .collect()
+    }
+
+    #[test]
+    fn command_notes_name_what_the_vllm_command_lacks() {
+        let argv = |s: &str| -> Vec<std::ffi::OsString> { s.split(' ').map(Into::into).collect() };
+        let g = Duration::from_secs(10);
+        let gpu = argv("python -m vllm.entrypoints.openai.api_server --enable-sleep-mode");
+        assert!(command_notes(AdapterKind::Vllm, &gpu, Some("1"), g).is_empty());
+        let cpu = argv("python -m vllm.entrypoints.openai.api_server --dtype float32");
+        let n = command_notes(AdapterKind::Vllm, &cpu, Some("1"), g);
+        assert_eq!(n.len(), 1);
+        assert!(n[0].contains("frees no memory"), "{n:?}");
+        let n = command_notes(AdapterKind::Vllm, &gpu, None, g);
+        assert!(
+            n.len() == 1 && n[0].contains("VLLM_SERVER_DEV_MODE"),
+            "{n:?}"
+        );
+        let drain = argv("vllm serve m --enable-sleep-mode --shutdown-timeout 30");
+        let n = command_notes(AdapterKind::Vllm, &drain, Some("1"), g);
+        assert!(
+            n.len() == 1 && n[0].contains("--shutdown-timeout 30"),
+            "{n:?}"
+        );
+        let drain = argv("vllm serve m --enable-sleep-mode --shutdown-timeout=5");
+        assert!(command_notes(AdapterKind::Vllm, &drain, Some("1"), g).is_empty());
+        assert!(command_notes(AdapterKind::Sglang, &cpu, None, g).is_empty());
     }
 
     #[test]

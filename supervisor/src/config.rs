@@ -163,9 +163,36 @@ pub struct RunArgs {
     #[arg(long, env = "SUPERVISOR_STOP_GRACE", value_parser = dur, default_value = "10s")]
     pub stop_grace: Duration,
 
-    /// Background health check period once the engine is up.
-    #[arg(long, env = "SUPERVISOR_HEALTH_INTERVAL", value_parser = dur, default_value = "1s")]
+    /// Background health check period once the engine is up. After a failed check the next
+    /// one comes after `--startup-poll`, so that `--unhealthy-after` failures take little
+    /// more than the first one.
+    #[arg(long, env = "SUPERVISOR_HEALTH_INTERVAL", value_parser = dur, default_value = "250ms")]
     pub health_interval: Duration,
+
+    /// Where each incarnation's private `TMPDIR` is made (default: the supervisor's own
+    /// `TMPDIR`, else /tmp). The engine's IPC sockets and temporary files go there, and the
+    /// directory is removed once its tree is dead; at start, those of a supervisor that was
+    /// killed are swept.
+    #[arg(long, env = "SUPERVISOR_ENGINE_TMPDIR")]
+    pub engine_tmpdir: Option<PathBuf>,
+
+    /// The shared-memory directory whose entries the engine's tree creates (Python
+    /// multiprocessing's `psm_*`, semaphores `sem.*`) are removed once the tree is dead.
+    #[arg(long, env = "SUPERVISOR_SHM_DIR", default_value = "/dev/shm")]
+    pub shm_dir: PathBuf,
+
+    /// Keep what a dead engine tree leaves (no private `TMPDIR`, nothing removed from
+    /// `--shm-dir`): for debugging an engine's crash.
+    #[arg(long, env = "SUPERVISOR_KEEP_LEFTOVERS")]
+    pub keep_leftovers: bool,
+
+    /// Fence an Active engine after this many failed health checks in a row (0: never; the
+    /// engine is then only judged by kubelet's liveness probe). vLLM answers `/health` 503 as
+    /// soon as its EngineCore or a worker is gone, while its API server may take seconds to
+    /// exit by itself, or never do so with a client connected: waiting for the exit holds the
+    /// lease, and the shadow, that long.
+    #[arg(long, env = "SUPERVISOR_UNHEALTHY_AFTER", default_value_t = 3)]
+    pub unhealthy_after: u32,
 
     /// Health check period while waiting for the engine to come up in Init.
     #[arg(long, env = "SUPERVISOR_STARTUP_POLL", value_parser = dur, default_value = "100ms")]
@@ -366,6 +393,13 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
+    /// Where the engine's private `TMPDIR`s go (`--engine-tmpdir`, else the supervisor's).
+    pub fn engine_tmpdir_base(&self) -> PathBuf {
+        self.engine_tmpdir
+            .clone()
+            .unwrap_or_else(std::env::temp_dir)
+    }
+
     /// Holder name sent to lockd.
     pub fn holder_name(&self) -> String {
         self.holder

@@ -19,6 +19,7 @@ pub mod cli;
 pub mod config;
 pub mod driver;
 pub mod fault;
+pub mod leftovers;
 pub mod logging;
 pub mod machine;
 pub mod process;

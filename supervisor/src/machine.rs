@@ -59,6 +59,11 @@ pub struct MachineConfig {
     /// a reconnect. Without them (TCP) a reconnect asks for a lock keeper
     /// ([`Action::SpawnKeeper`]) that holds the new connection until the engine has exited.
     pub anchored: bool,
+    /// Consecutive failed health checks after which an Active engine is declared dead and
+    /// fenced (`--unhealthy-after`; 0: never, kubelet's liveness probe is then the only judge).
+    /// vLLM answers `/health` 503 once its EngineCore is gone but its API server may linger for
+    /// seconds before exiting by itself: holding the lease that long is an outage.
+    pub unhealthy_after: u32,
 }
 
 /// Sub-steps of Waking (all shown as `waking` outside; the waking budget covers both).
@@ -111,6 +116,8 @@ pub enum DeadReason {
     /// initialise within `--init-memory-timeout` (the text: need, free, wait). The engine was
     /// never spawned.
     InitMemoryTimeout(String),
+    /// The Active engine failed this many health checks in a row (`--unhealthy-after`).
+    EngineUnhealthy(u32),
 }
 
 impl DeadReason {
@@ -129,6 +136,7 @@ impl DeadReason {
             DeadReason::Protocol(_) => 18,
             DeadReason::GpuCheckFailed(_) => 19,
             DeadReason::InitMemoryTimeout(_) => 20,
+            DeadReason::EngineUnhealthy(_) => 21,
         }
     }
 
@@ -137,7 +145,10 @@ impl DeadReason {
     pub fn urgent(&self) -> bool {
         matches!(
             self,
-            DeadReason::EngineExited(_) | DeadReason::LockLost(_) | DeadReason::Revoked(_)
+            DeadReason::EngineExited(_)
+                | DeadReason::EngineUnhealthy(_)
+                | DeadReason::LockLost(_)
+                | DeadReason::Revoked(_)
         )
     }
 
@@ -156,6 +167,7 @@ impl DeadReason {
             DeadReason::Protocol(_) => "protocol",
             DeadReason::GpuCheckFailed(_) => "gpu_check_failed",
             DeadReason::InitMemoryTimeout(_) => "init_memory_timeout",
+            DeadReason::EngineUnhealthy(_) => "engine_unhealthy",
         }
     }
 }
@@ -174,6 +186,9 @@ impl std::fmt::Display for DeadReason {
             DeadReason::LockUnavailable(s) => write!(f, "lock unavailable: {s}"),
             DeadReason::Protocol(s) => write!(f, "lock protocol violation: {s}"),
             DeadReason::GpuCheckFailed(s) => write!(f, "GPU/GMS check before wake failed: {s}"),
+            DeadReason::EngineUnhealthy(n) => {
+                write!(f, "engine failed {n} health checks in a row while Active")
+            }
             DeadReason::InitMemoryTimeout(s) => {
                 write!(
                     f,
@@ -258,6 +273,11 @@ pub enum TimeoutKind {
 pub enum Event {
     /// The engine's health endpoint answered 200.
     EngineHealthy,
+    /// The engine's health check failed `failures` times in a row (sent at each failure).
+    EngineUnhealthy {
+        /// Consecutive failures so far.
+        failures: u32,
+    },
     /// lockd granted the lease (`reclaimed`: a held lease re-granted after a reconnect).
     LockGranted {
         /// Fencing epoch of the grant.
@@ -520,6 +540,11 @@ pub fn step(
             },
             E::WakeFailed(s),
         ) => dead_from(state, DeadReason::WakeFailed(s.clone())),
+        (State::Active, E::EngineUnhealthy { failures })
+            if cfg.unhealthy_after > 0 && *failures >= cfg.unhealthy_after =>
+        {
+            dead_from(state, DeadReason::EngineUnhealthy(*failures))
+        }
         // Re-grant after a lockd restart (reconnect window): keep going, note the epoch.
         (State::Waking { .. } | State::Active, E::LockGranted { epoch, .. }) => {
             (state.clone(), vec![Action::SetEpoch(*epoch)])
@@ -583,12 +608,15 @@ mod tests {
             waking_timeout: Duration::from_secs(2),
             wake_checks,
             anchored: true,
+            unhealthy_after: 3,
         }
     }
 
     fn all_events() -> Vec<Event> {
         vec![
             Event::EngineHealthy,
+            Event::EngineUnhealthy { failures: 1 },
+            Event::EngineUnhealthy { failures: 3 },
             Event::LockGranted {
                 epoch: 4,
                 reclaimed: false,
@@ -797,6 +825,9 @@ mod tests {
                 _ => keep,
             },
             State::Active => match e {
+                E::EngineUnhealthy { failures } if *failures >= 3 => {
+                    die(DeadReason::EngineUnhealthy(*failures))
+                }
                 E::LockGranted { epoch, .. } => (s.clone(), vec![Action::SetEpoch(*epoch)]),
                 E::LockReconnected => (s.clone(), keeper),
                 _ => keep,
@@ -874,7 +905,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(checked, 2 * 2 * 2 * 8 * 21 * 3);
+        assert_eq!(checked, 2 * 2 * 2 * 8 * 23 * 3);
     }
 
     #[test]
@@ -993,12 +1024,50 @@ mod tests {
             DeadReason::LockUnavailable(String::new()),
             DeadReason::Protocol(String::new()),
             DeadReason::GpuCheckFailed(String::new()),
+            DeadReason::InitMemoryTimeout(String::new()),
+            DeadReason::EngineUnhealthy(3),
         ];
         let mut codes: Vec<i32> = reasons.iter().map(|r| r.exit_code()).collect();
         assert_eq!(codes.iter().filter(|c| **c == 0).count(), 1);
         codes.sort();
         codes.dedup();
         assert_eq!(codes.len(), reasons.len());
+    }
+
+    /// An Active engine is fenced after `unhealthy_after` failed checks in a row, holding the
+    /// lease (the memory wait applies), urgently; fewer, or any number outside Active, or the
+    /// rule turned off (0), change nothing.
+    #[test]
+    fn unhealthy_active_is_fenced_after_the_threshold() {
+        let t0 = Instant::now();
+        let c = cfg(Role::Primary);
+        let bad = |n| Event::EngineUnhealthy { failures: n };
+        assert_eq!(
+            step(&State::Active, &bad(2), t0, &c),
+            (State::Active, vec![])
+        );
+        let (s, a) = step(&State::Active, &bad(3), t0, &c);
+        assert_eq!(s, State::Dead(DeadReason::EngineUnhealthy(3)));
+        assert_eq!(
+            a,
+            vec![Action::Fence {
+                reason: DeadReason::EngineUnhealthy(3),
+                lease_held: true
+            }]
+        );
+        assert!(DeadReason::EngineUnhealthy(3).urgent());
+        assert_eq!(DeadReason::EngineUnhealthy(3).exit_code(), 21);
+        for s in [State::Standby, State::initial(&c, t0)] {
+            assert_eq!(step(&s, &bad(9), t0, &c), (s.clone(), vec![]));
+        }
+        let off = MachineConfig {
+            unhealthy_after: 0,
+            ..c
+        };
+        assert_eq!(
+            step(&State::Active, &bad(99), t0, &off),
+            (State::Active, vec![])
+        );
     }
 
     /// With checks: Standby remembers the layout; a grant checks first and wakes only after

@@ -464,6 +464,9 @@ pub struct FenceReport {
     /// Every pid of the engine's tree seen while fencing (engine first), in the supervisor's
     /// PID namespace: the GPU memory-release check looks for them on the device.
     pub pids: Vec<i32>,
+    /// When the engine's main process was reaped, from the start of fencing (None: it had
+    /// been reaped before).
+    pub engine_exited_after: Option<Duration>,
 }
 
 fn signal(pid: i32, sig: Signal) {
@@ -471,19 +474,49 @@ fn signal(pid: i32, sig: Signal) {
     let _ = signal::kill(Pid::from_raw(pid), sig);
 }
 
-/// Fence by death: signal the engine's process group and every descendant of this process
-/// (SIGTERM, then SIGKILL once `grace` has passed; SIGKILL at once when `urgent`), reap every
-/// zombie, and repeat until the kernel says we have no child left (we are a child subreaper, so
-/// that means no descendant is left anywhere). Only after this returns may the lock connection
-/// be closed. Never gives up: a process stuck in uninterruptible sleep still holds the GPU, so
-/// the lock must stay held (a warning is logged every second).
+/// How long a fence waits for a Python resource tracker to clean up and exit by itself once
+/// every other process of the tree is gone.
+const TRACKER_GRACE: Duration = Duration::from_secs(1);
+
+/// Whether `pid` is Python multiprocessing's resource tracker (Lib/multiprocessing/
+/// resource_tracker.py, started as `python -c 'from multiprocessing.resource_tracker import
+/// main;main(FD)'`): it holds no device memory and cleans up what the tree registered with it.
+fn is_resource_tracker(pid: i32) -> bool {
+    is_resource_tracker_cmdline(&procfs::cmdline(pid))
+}
+
+fn is_resource_tracker_cmdline(cmdline: &str) -> bool {
+    cmdline.contains("from multiprocessing.resource_tracker import main")
+}
+
+/// Which processes a fence signals, and with what.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// SIGTERM to the engine's main process alone, until it exits or the grace ends. vLLM's
+    /// API server shuts its EngineCore and workers down itself and answers or aborts the
+    /// requests it has open; signalled together with them, it instead waits for client
+    /// connections that its dead EngineCore can never finish, until the SIGKILL at the grace.
+    Main,
+    /// The whole tree (process group and every descendant) with this signal.
+    Tree(Signal),
+}
+
+/// Fence by death. A stop (`urgent` false): SIGTERM to the engine's main process first; once
+/// it has exited, SIGTERM to the rest of the tree; SIGKILL to everything once `grace` has
+/// passed. Urgent: SIGKILL to the process group and every descendant of this process at once.
+/// Reaps every zombie and repeats until the kernel says we have no child left (we are a child
+/// subreaper, so that means no descendant is left anywhere). Only after this returns may the
+/// lock connection be closed. Never gives up: a process stuck in uninterruptible sleep still
+/// holds the GPU, so the lock must stay held (a warning is logged every second).
 pub async fn fence(engine: &mut Engine, urgent: bool, grace: Duration) -> FenceReport {
     let start = Instant::now();
     let mut report = FenceReport::default();
-    let mut sig = if urgent {
-        Signal::SIGKILL
+    let mut stage = if urgent {
+        Stage::Tree(Signal::SIGKILL)
+    } else if engine.has_exited() {
+        Stage::Tree(Signal::SIGTERM)
     } else {
-        Signal::SIGTERM
+        Stage::Main
     };
     report.escalated = urgent;
     let kill_at = start + grace;
@@ -492,43 +525,80 @@ pub async fn fence(engine: &mut Engine, urgent: bool, grace: Duration) -> FenceR
     let mut tree = tree_pids();
     report.alive_at_start = tree.iter().filter(|p| procfs::alive(**p)).count();
     let mut seen: Vec<i32> = vec![engine.pid];
+    let mut tracker_alone_since: Option<Instant> = None;
     loop {
         for p in &tree {
             if !seen.contains(p) {
                 seen.push(*p);
             }
         }
-        // The group id stays reserved while the engine is unreaped; once reaped, a recycled
-        // pid could name someone else's group, so the group is only signalled before that.
-        if engine.exit_status.is_none() && signalled.insert((-engine.pid, sig)) {
-            let _ = signal::killpg(Pid::from_raw(engine.pid), sig);
+        // Spare Python's resource trackers from a SIGKILL while other engine processes
+        // live: a tracker unlinks the shared memory and semaphores registered with it once
+        // every process holding its pipe is gone (it ignores SIGTERM), which a SIGKILL would
+        // leave in /dev/shm. Bounded by TRACKER_GRACE once it is alone.
+        let others_alive = tree
+            .iter()
+            .any(|p| !is_resource_tracker(*p) && procfs::alive(*p));
+        if !others_alive && tracker_alone_since.is_none() {
+            tracker_alone_since = Some(Instant::now());
         }
-        for p in &tree {
-            if signalled.insert((*p, sig)) || sig == Signal::SIGKILL {
-                signal(*p, sig);
+        let spare = tracker_alone_since.is_none_or(|t| t.elapsed() < TRACKER_GRACE);
+        match stage {
+            Stage::Tree(Signal::SIGKILL)
+                if spare && tree.iter().any(|p| is_resource_tracker(*p)) =>
+            {
+                for p in tree.iter().filter(|p| !is_resource_tracker(**p)) {
+                    signal(*p, Signal::SIGKILL);
+                    signalled.insert((*p, Signal::SIGKILL));
+                }
+            }
+            Stage::Main => {
+                if engine.exit_status.is_none() && signalled.insert((engine.pid, Signal::SIGTERM)) {
+                    signal(engine.pid, Signal::SIGTERM);
+                }
+            }
+            Stage::Tree(sig) => {
+                // The group id stays reserved while the engine is unreaped; once reaped, a
+                // recycled pid could name someone else's group, so the group is only
+                // signalled before that.
+                if engine.exit_status.is_none() && signalled.insert((-engine.pid, sig)) {
+                    let _ = signal::killpg(Pid::from_raw(engine.pid), sig);
+                }
+                for p in &tree {
+                    if signalled.insert((*p, sig)) || sig == Signal::SIGKILL {
+                        signal(*p, sig);
+                    }
+                }
             }
         }
         for (pid, st) in reap_all() {
             report.reaped += 1;
             if pid == engine.pid {
                 engine.exit_status = Some(st);
+                report.engine_exited_after = Some(start.elapsed());
             }
         }
         if !has_children() {
             break;
         }
+        if stage == Stage::Main && engine.exit_status.is_some() {
+            stage = Stage::Tree(Signal::SIGTERM);
+            tree = tree_pids();
+            continue;
+        }
         let now = Instant::now();
-        if sig == Signal::SIGTERM && now >= kill_at {
+        if stage != Stage::Tree(Signal::SIGKILL) && now >= kill_at {
             tracing::warn!(
                 remaining = tree.len(),
                 grace_ms = grace.as_millis() as u64,
+                engine_exited = engine.exit_status.is_some(),
                 "engine tree still alive after grace period; sending SIGKILL"
             );
-            sig = Signal::SIGKILL;
+            stage = Stage::Tree(Signal::SIGKILL);
             report.escalated = true;
         } else if now.duration_since(last_warn) >= Duration::from_secs(1) {
             last_warn = now;
-            tracing::warn!(pids = ?tree, "still waiting for engine processes to die");
+            tracing::warn!(pids = ?tree, main_first = stage == Stage::Main, "still waiting for engine processes to die");
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
         tree = tree_pids();
@@ -556,6 +626,15 @@ mod tests {
         // Raw wait statuses: exit 3 is 3 << 8, SIGKILL is 9.
         assert_eq!(describe_status(3 << 8), ProcessEnd::Exited(3));
         assert_eq!(describe_status(9), ProcessEnd::Signaled(9));
+    }
+
+    #[test]
+    fn resource_trackers_are_recognised_by_their_command_line() {
+        assert!(is_resource_tracker_cmdline(
+            "/venv/bin/python -B -c from multiprocessing.resource_tracker import main;main(32)"
+        ));
+        assert!(!is_resource_tracker_cmdline("VLLM::EngineCore"));
+        assert!(!is_resource_tracker_cmdline(""));
     }
 
     #[test]

@@ -347,7 +347,9 @@ impl World {
             .args(["--probes", &probes.to_string(), "--adapter", "vllm"])
             .args(["--engine-url", &format!("http://{engine}")])
             .args(["--health-interval", "200ms", "--startup-poll", "20ms"])
-            .args(["--restart", "never"]);
+            .args(["--restart", "never"])
+            .arg("--engine-tmpdir")
+            .arg(node.dir.join("engine-tmp"));
         if let Some(w) = self.cfg.watchdog {
             c.arg("--lock-watchdog").arg(fmt(w));
         }

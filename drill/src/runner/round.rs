@@ -208,7 +208,31 @@ impl Drill {
             FailureKind::EngineKill | FailureKind::DetachedWorker | FailureKind::HungWake => {
                 kill_engine(&mut notes)?;
             }
+            FailureKind::EngineChildKill | FailureKind::WorkerKill => {
+                let find = if kind == FailureKind::EngineChildKill {
+                    procs::engine_child
+                } else {
+                    procs::engine_leaf
+                };
+                match victim_pid.and_then(find) {
+                    Some(p) => procs::signal_pid(p, Signal::SIGKILL),
+                    None => {
+                        notes.push(format!(
+                            "{kind}: the Active engine has no such process (run it with workers)"
+                        ));
+                        bail!(
+                            "round {}: {kind}: no process to kill in the Active engine's tree",
+                            r + 1
+                        )
+                    }
+                }
+            }
             FailureKind::SupervisorKill => self.sigkill_supervisor(a),
+            FailureKind::Stop => {
+                if let Some(i) = self.sides[a].as_ref() {
+                    procs::signal_pid(i.sup_pid, Signal::SIGTERM);
+                }
+            }
             FailureKind::Revoke => {
                 if let Err(e) = self.lockd.revoke(Duration::from_secs(5), false).await {
                     notes.push(e);

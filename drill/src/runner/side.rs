@@ -257,7 +257,11 @@ impl Launch<'_> {
             .args([
                 "--engine-url",
                 &self.args.engine_url.replace("{port}", &port.to_string()),
-            ]);
+            ])
+            // The engines' private TMPDIRs in the drill's own directory: a SIGKILLed
+            // supervisor's is swept by its successor, the last one with the directory.
+            .arg("--engine-tmpdir")
+            .arg(self.dir.join("engine-tmp"));
         // The drill emulates kubelet's container restarts itself (kubelet.rs): each side's
         // supervisor exits after fencing, as the first version did. Adapting the drill to
         // supervisors that re-arm their engine (`--restart on-failure`, the default) is later

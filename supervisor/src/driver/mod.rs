@@ -232,6 +232,29 @@ pub async fn run_with_checks(
         "supervisor starting"
     );
     init_memory::announce(&args, checks.as_ref());
+    for note in crate::adapter::command_notes(
+        args.adapter,
+        &args.cmd,
+        std::env::var("VLLM_SERVER_DEV_MODE").ok().as_deref(),
+        args.stop_grace,
+    ) {
+        tracing::warn!("{note}");
+    }
+    if !args.keep_leftovers {
+        let r = crate::leftovers::sweep_stale(
+            &args.engine_tmpdir_base(),
+            &args.shm_dir,
+            args.engine_id,
+        );
+        if r != crate::leftovers::Removed::default() {
+            tracing::info!(
+                shm_files = r.shm_files,
+                shm_bytes = r.shm_bytes,
+                tmpdirs = r.tmpdirs,
+                "removed the leftovers of a previous supervisor's engine"
+            );
+        }
+    }
 
     // The pod router (HAProxy runtime API): out of rotation until a phase says otherwise.
     let router = args.router_config().map(|c| {
@@ -442,9 +465,21 @@ async fn run_incarnation(
     //    thread: PDEATHSIG is tied to the forking thread).
     let lock_fd = lock.inheritable_fd().map_err(RunError::LockFd)?;
     let anchor_fd = anchor_inherit.as_ref().map(|f| f.as_raw_fd());
+    let mut leftovers = (!args.keep_leftovers).then(|| {
+        crate::leftovers::Leftovers::prepare(
+            Some(&args.engine_tmpdir_base()),
+            &args.shm_dir,
+            args.engine_id,
+            inc.n,
+        )
+    });
+    let mut env = engine_env(args, lock_fd.as_raw_fd(), anchor_fd);
+    if let Some(dir) = leftovers.as_ref().and_then(|l| l.tmpdir()) {
+        env.push(("TMPDIR".into(), dir.as_os_str().to_owned()));
+    }
     let spec = EngineSpec {
         argv: args.cmd.clone(),
-        env: engine_env(args, lock_fd.as_raw_fd(), anchor_fd),
+        env,
         pid_namespace: args.pid_namespace,
     };
     let mut inherit = vec![lock_fd.as_raw_fd()];
@@ -472,6 +507,7 @@ async fn run_incarnation(
         waking_timeout: args.waking_timeout,
         wake_checks: checks.is_some(),
         anchored,
+        unhealthy_after: args.unhealthy_after,
     };
     let mut machine = Machine::new(mcfg, Instant::now());
     {
@@ -586,8 +622,14 @@ async fn run_incarnation(
             }
             _ = signals.term.recv() => { tracing::info!("SIGTERM received"); Some(Event::Terminate) }
             _ = signals.int.recv() => { tracing::info!("SIGINT received"); Some(Event::Terminate) }
-            _ = pin_tick.tick(), if anchored && !engine_gone => {
-                pin_tree(&mut pins, &mut lock, probe_state).await;
+            _ = pin_tick.tick(), if (anchored || leftovers.is_some()) && !engine_gone => {
+                if anchored {
+                    pin_tree(&mut pins, &mut lock, probe_state).await;
+                }
+                let now = Instant::now();
+                if let Some(l) = leftovers.as_mut().filter(|l| l.scan_due(now)) {
+                    l.scan(&process::tree_pids(), now);
+                }
                 None
             }
             _ = signals.chld.recv() => {
@@ -638,7 +680,17 @@ async fn run_incarnation(
                 }
             } => deadline.map(|(k, _)| Event::Timeout(k)),
             changed = health_rx.changed() => match changed {
-                Ok(()) if *health_rx.borrow_and_update() => Some(Event::EngineHealthy),
+                Ok(()) => {
+                    let h = *health_rx.borrow_and_update();
+                    if h.healthy {
+                        Some(Event::EngineHealthy)
+                    } else if h.failures > 0 {
+                        tracing::warn!(failures = h.failures, "engine health check failed");
+                        Some(Event::EngineUnhealthy { failures: h.failures })
+                    } else {
+                        None
+                    }
+                }
                 _ => None,
             },
             }
@@ -882,6 +934,10 @@ async fn run_incarnation(
     // crate::fault::planted_bug_early_release. Compiles to nothing in a release build.
     #[cfg(any(debug_assertions, feature = "planted-bugs"))]
     crate::fault::planted_bug_early_release(&mut lock, &args.resource).await;
+    if let Some(l) = leftovers.as_mut() {
+        // The last look at what the tree maps, while (some of) it still lives.
+        l.scan(&process::tree_pids(), Instant::now());
+    }
     let report = process::fence(&mut engine, reason.urgent(), args.stop_grace).await;
     if let Some(k) = keeper.take() {
         // The keeper exits once the engine has (it polls its pid); reaped on SIGCHLD.
@@ -894,6 +950,7 @@ async fn run_incarnation(
         .observe(report.duration);
     tracing::info!(
         duration_ms = report.duration.as_secs_f64() * 1000.0,
+        engine_exited_ms = report.engine_exited_after.map(|d| d.as_secs_f64() * 1000.0),
         signalled = report.signalled,
         reaped = report.reaped,
         escalated = report.escalated,
@@ -901,6 +958,15 @@ async fn run_incarnation(
         engine_status = %report.engine_status.unwrap_or(process::ProcessEnd::Unknown),
         "engine tree fenced: no engine process left"
     );
+    if let Some(l) = leftovers.take() {
+        let r = l.remove();
+        tracing::info!(
+            shm_files = r.shm_files,
+            shm_bytes = r.shm_bytes,
+            tmpdirs = r.tmpdirs,
+            "removed the dead engine tree's leftovers"
+        );
+    }
     // 4. GPU memory: the tree is dead and reaped; if we held the lock, wait (bounded) until the
     //    device shows the engine's memory released BEFORE letting the lock go (Decision 7).
     if let Some(c) = checks {

@@ -99,18 +99,31 @@ pub(super) async fn connect_lock(
     }
 }
 
+/// What the health polling last saw: healthy, or how many checks in a row failed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Health {
+    /// The last check passed.
+    pub healthy: bool,
+    /// Failed checks in a row since the engine was last healthy (0 before it ever was: an
+    /// engine that is still loading is not failing).
+    pub failures: u32,
+}
+
 /// Background health polling: writes the result into the probe state (probes never call the
-/// engine) and publishes it on a watch channel for the driver.
+/// engine) and publishes it on a watch channel for the driver. After a failure the next check
+/// comes after `--startup-poll` rather than `--health-interval`: a dead engine is confirmed
+/// quickly, a passing blip costs a few extra checks.
 pub(super) fn spawn_health(
     client: EngineClient,
     state: ProbeState,
     args: &RunArgs,
-) -> (JoinHandle<()>, watch::Receiver<bool>) {
-    let (tx, rx) = watch::channel(false);
+) -> (JoinHandle<()>, watch::Receiver<Health>) {
+    let (tx, rx) = watch::channel(Health::default());
     let (startup_poll, interval, timeout) =
         (args.startup_poll, args.health_interval, args.health_timeout);
     let h = tokio::spawn(async move {
         let mut ever = false;
+        let mut failures = 0u32;
         loop {
             let ok = client.healthy(timeout).await;
             let was = {
@@ -118,17 +131,25 @@ pub(super) fn spawn_health(
                 std::mem::replace(&mut s.engine_healthy, ok)
             };
             if !ok && ever {
+                failures = failures.saturating_add(1);
                 state
                     .metrics()
                     .health_check_failures
                     .fetch_add(1, Ordering::Relaxed);
+            } else if ok {
+                failures = 0;
             }
             if was != ok && ever {
                 tracing::info!(healthy = ok, "engine health changed");
             }
             ever |= ok;
-            tx.send_if_modified(|v| std::mem::replace(v, ok) != ok);
-            tokio::time::sleep(if ever { interval } else { startup_poll }).await;
+            let now = Health {
+                healthy: ok,
+                failures,
+            };
+            tx.send_if_modified(|v| std::mem::replace(v, now) != now);
+            let fast = !ever || failures > 0;
+            tokio::time::sleep(if fast { startup_poll } else { interval }).await;
         }
     });
     (h, rx)
