@@ -23,8 +23,18 @@ Kinds (the drill's kinds that exist at pod level):
   revoke           `lockd revoke` of the Active side's lease: it fences itself and re-arms.
   lockd-crash      the lockd sidecar is SIGKILLed and restarted on its state file: the Active
                    side reclaims its lease; no failover may happen and no request may fail.
+  stop             SIGTERM of the Active supervisor (a rollout, kubelet stopping the container):
+                   it stops its engine and exits 0; "kubelet" starts the container again.
+  engine-child-kill, worker-kill  (--engine vllm only) SIGKILL of the Active vLLM's
+                   EngineCore / of its Worker: vLLM reports itself dead on /health and the
+                   supervisor fences it (--unhealthy-after).
 Not covered: hung-wake (the chart's waking timeout is minutes) and the drill's compound lockd
 kinds; `supervisor drill` covers those below the router.
+
+`--engine vllm` runs a real vLLM (its CPU build and tiny model, prepared by
+tests/real-vllm/setup) in each engine container instead of fake-engine; the clients then ask
+for `--model` at temperature 0. Which engine served a request is read from a header the
+drill's copy of the router config adds (x-served-by: the HAProxy server name).
 
   deploy/pod_drill.py --bin-dir target/release --rounds 200 --clients 8 --report r.json
 
@@ -38,6 +48,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -52,8 +63,40 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pod_e2e as pe  # noqa: E402
 
-KINDS = ["engine-kill", "supervisor-kill", "double-kill", "revoke", "lockd-crash"]
-FAILOVER = {"engine-kill", "supervisor-kill", "double-kill", "revoke"}
+KINDS = ["engine-kill", "supervisor-kill", "double-kill", "revoke", "lockd-crash", "stop",
+         "engine-child-kill", "worker-kill"]
+DEFAULT_KINDS = ["engine-kill", "supervisor-kill", "double-kill", "revoke", "lockd-crash"]
+VLLM_ONLY = {"engine-child-kill", "worker-kill"}
+FAILOVER = {"engine-kill", "supervisor-kill", "double-kill", "revoke", "stop", "engine-child-kill",
+            "worker-kill"}
+# How tests/real-vllm starts vLLM's CPU build (harness/src/vllm.rs, RealVllm::argv / env).
+VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def vllm_argv(real_dir: str, model: str):
+    def argv(port: int) -> list[str]:
+        return [os.path.join(real_dir, "venv/bin/python"), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", os.path.join(real_dir, "model"), "--served-model-name", model,
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                "--max-model-len", "512", "--enforce-eager", "--kv-cache-memory-bytes", "67108864",
+                "--disable-uvicorn-access-log"]
+    return argv
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def vllm_victim(sup_pid: int, kind: str) -> int | None:
+    """The Active vLLM's process for `kind`: its API server (the supervisor's child), its
+    EngineCore, or a Worker."""
+    want = {"engine-kill": "vllm.entrypoints.openai.api_server", "engine-child-kill": "VLLM::EngineCore",
+            "worker-kill": "VLLM::Worker"}[kind]
+    return next((p for p in proc_tree(sup_pid)[1:] if want in cmdline(p)), None)
 
 
 def pct(xs: list[float], p: float) -> float | None:
@@ -134,13 +177,15 @@ def sigkill(pids) -> None:
 class Load:
     """N clients posting completions through the router, each recording every request."""
 
-    def __init__(self, port: int, clients: int):
+    def __init__(self, port: int, clients: int, model: str | None = None):
         self.port, self.stop, self.lock = port, False, threading.Lock()
+        self.body = json.dumps({"prompt": "hi", "max_tokens": 1} if model is None else
+                               {"model": model, "prompt": "hi", "max_tokens": 1, "temperature": 0}).encode()
         self.records: list[tuple[float, float, str, int | None]] = []  # start, end, outcome, engine
         self.threads = [threading.Thread(target=self.client, daemon=True) for _ in range(clients)]
 
     def client(self) -> None:
-        body = b'{"prompt":"hi","max_tokens":1}'
+        body = self.body
         while not self.stop:
             t0 = time.monotonic()
             req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
@@ -150,6 +195,9 @@ class Load:
                 with urllib.request.urlopen(req, timeout=30) as r:
                     doc = json.loads(r.read())
                     eid = doc.get("engine_id")
+                    m = re.match(r"engine-(\d+)", r.headers.get("x-served-by") or "")
+                    if eid is None and m:
+                        eid = int(m.group(1))
                     outcome = "ok" if not doc.get("garbage") else "garbage"
             except urllib.error.HTTPError as e:
                 outcome = f"http-{e.code}"
@@ -195,7 +243,12 @@ def main() -> int:
     ap.add_argument("--haproxy", default=shutil.which("haproxy") or "haproxy")
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, from: " + ", ".join(KINDS))
+    ap.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help="comma-separated, from: " + ", ".join(KINDS))
+    ap.add_argument("--engine", choices=["fake", "vllm"], default="fake",
+                    help="fake-engine, or a real vLLM prepared by tests/real-vllm/setup")
+    ap.add_argument("--real-vllm", default=os.environ.get("REAL_VLLM_DIR", "target/real-vllm"),
+                    help="tests/real-vllm/setup's directory (venv/, model/)")
+    ap.add_argument("--model", default="tiny", help="--served-model-name of the real vLLM")
     ap.add_argument("--completion-time", default="20ms", help="fake-engine time per completion")
     ap.add_argument("--wake", default="0s", help="fake-engine wake time")
     ap.add_argument("--order", choices=["round-robin", "random"], default="round-robin")
@@ -207,6 +260,16 @@ def main() -> int:
     kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     if not kinds or any(k not in KINDS for k in kinds) or a.rounds < 1 or a.clients < 1:
         ap.error(f"--kinds from {KINDS}, --rounds >= 1, --clients >= 1")
+    if a.engine == "fake" and VLLM_ONLY & set(kinds):
+        ap.error(f"{sorted(VLLM_ONLY & set(kinds))} need --engine vllm")
+    real = None
+    if a.engine == "vllm":
+        if not os.path.exists(os.path.join(a.real_vllm, "model", ".made-by")):
+            print(f"FAIL: no real vLLM in {a.real_vllm!r} (run tests/real-vllm/setup)")
+            return 1
+        real = (vllm_argv(os.path.abspath(a.real_vllm), a.model), VLLM_ENV)
+    # A cold vLLM start takes about a minute on 2 cores (two engines: more); fake-engine 300 ms.
+    up_limit = 600 if real else 90
     if not shutil.which(a.haproxy) and not os.path.exists(a.haproxy):
         print(f"FAIL: no haproxy at {a.haproxy!r} (apt-get install haproxy)")
         return 1
@@ -217,10 +280,12 @@ def main() -> int:
     try:
         pod = pe.Pod(a.manifest, tmp, a.bin_dir)
         router = pod.container("router")
-        edit = None
-        if a.plant == "no-retry":
-            edit = lambda c: c.replace("retry-on conn-failure empty-response junk-response 502 503",  # noqa: E731
-                                       "retry-on none")
+        def edit(c: str) -> str:
+            # Which engine served each request (the drill's own measurement, not the chart's).
+            c = c.replace("backend engines\n", "backend engines\n  http-response set-header x-served-by %[srv_name]\n", 1)
+            if a.plant == "no-retry":
+                c = c.replace("retry-on conn-failure empty-response junk-response 502 503", "retry-on none")
+            return c
         path, _, version = pod.router_config(a.haproxy, edit)
         sock = os.path.join(pod.run_dir, "router.sock")
         front = pod.port(router["ports"][0]["containerPort"])
@@ -230,7 +295,7 @@ def main() -> int:
         lockd = pod.start_sidecar("lockd")
         pod.start_sidecar("gms")
         extra = ["--completion-time", a.completion_time, "--wake", a.wake, "--workers", "1", "--detach-workers"]
-        engines = {n: list(pod.start_engine(n, extra)) for n in ("engine-0", "engine-1")}
+        engines = {n: list(pod.start_engine(n, extra, real)) for n in ("engine-0", "engine-1")}
         if a.plant == "no-push":
             for n, e in engines.items():
                 pe.kill_tree(e[0], e[2])
@@ -274,12 +339,34 @@ def main() -> int:
             e[0] = pod.spawn(name, argv, env)
             return t
 
-        act, sby = steady(60)
+        def stop_container(name: str) -> float:
+            """kubelet stops the container (SIGTERM to its main process, the supervisor), waits
+            for it to exit and, the pod's restartPolicy being Always, starts it again."""
+            e = engines[name]
+            e[0].send_signal(signal.SIGTERM)
+            code = e[0].wait(timeout=60)
+            if code != 0:
+                raise AssertionError(f"{name}: a stopped supervisor exited {code}")
+            t = time.monotonic()
+            argv, env = pod.engine_argv[name]
+            e[0] = pod.spawn(name, argv, env)
+            return t
+
+        def engine_main(name: str) -> int:
+            e = engines[name]
+            if real:
+                p = vllm_victim(e[0].pid, "engine-kill")
+                if p is None:
+                    raise AssertionError(f"{name}: no vLLM API server under its supervisor")
+                return p
+            return pe.pids(e[2])[0]
+
+        act, sby = steady(up_limit)
         pe.wait("router /healthz ready", 10, lambda: pe.http("GET", hport, hpath)[0] == 200)
         print(f"pod up: {act} active, {sby} standby; router {version}; {a.clients} clients, "
               f"completion {a.completion_time}, wake {a.wake}, seed {seed}"
               + (f"; PLANTED: {a.plant}" if a.plant else ""))
-        load = Load(front, a.clients)
+        load = Load(front, a.clients, a.model if real else None)
         health = HealthWatch(hport, hpath)
         for t in load.threads:
             t.start()
@@ -288,16 +375,22 @@ def main() -> int:
         rounds = []
         for i in range(a.rounds):
             kind = rng.choice(kinds) if a.order == "random" else kinds[i % len(kinds)]
-            act, sby = steady(90)
+            act, sby = steady(up_limit)
             time.sleep(rng.uniform(0.05, 0.25))
+            victim = engine_main(act) if kind in ("engine-kill", "double-kill") else \
+                vllm_victim(engines[act][0].pid, kind) if kind in VLLM_ONLY else None
+            if kind in VLLM_ONLY and victim is None:
+                raise AssertionError(f"{act}: no process for {kind}")
             t0 = time.monotonic()
             restarted_at = None
-            if kind == "engine-kill":
-                sigkill([pe.pids(engines[act][2])[0]])
+            if kind in ("engine-kill", "engine-child-kill", "worker-kill"):
+                sigkill([victim])
             elif kind == "supervisor-kill":
                 restarted_at = restart_container(act)
+            elif kind == "stop":
+                restarted_at = stop_container(act)
             elif kind == "double-kill":
-                sigkill([pe.pids(engines[act][2])[0]])
+                sigkill([victim])
                 time.sleep(rng.uniform(0, 0.005))
                 restarted_at = restart_container(act)
             elif kind == "revoke":
@@ -316,7 +409,7 @@ def main() -> int:
                 pe.wait(f"{act} restarted supervisor /startup", 30,
                         lambda: pe.http("GET", engines[act][1], "/startup", timeout=0.5)[0] == 200)
                 down_for = time.monotonic() - t0
-            new_act, _ = steady(90)
+            new_act, _ = steady(up_limit)
             t_end = time.monotonic()
             recs = [r for r in load.snapshot() if r[1] >= t0]
             new_id = int(new_act.split("-")[1])
@@ -411,6 +504,7 @@ def main() -> int:
               "healthz_503_ms": {"count": len(down), "total": sum(down) * 1000, "max": max(down, default=0) * 1000},
               "pod_not_ready_by_router": len(not_ready),
               "container_down_ms": cdown, "completion_time": a.completion_time, "clients": a.clients,
+              "engine": a.engine,
               "haproxy": version}
     if a.report:
         with open(a.report, "w") as f:

@@ -182,7 +182,9 @@ class Pod:
         subprocess.run([haproxy, "-c", "-q", "-f", path], check=True)
         return path, has_init_state, version.split(" - ")[0]
 
-    def start_engine(self, name: str, extra: list[str] | None = None):
+    def start_engine(self, name: str, extra: list[str] | None = None, real=None):
+        """`real`: (argv given the engine port, extra environment) of a real engine to run
+        instead of fake-engine (tests/real-vllm); it writes no pid file."""
         c = self.container(name)
         cmd = c["command"]
         sup = [self.local(a) for a in cmd[:cmd.index("--")]]
@@ -191,10 +193,15 @@ class Pod:
         eid = sup[sup.index("--engine-id") + 1]
         pidfile = os.path.join(self.tmp, f"{name}.pids")
         PIDFILES.append(pidfile)
-        argv = sup + ["--", "fake-engine", "--port", str(eport), "--engine-id", eid,
-                      "--init", "300ms", "--pid-file", pidfile] + (extra or [])
+        if real:
+            argv = sup + ["--"] + real[0](eport)
+        else:
+            argv = sup + ["--", "fake-engine", "--port", str(eport), "--engine-id", eid,
+                          "--init", "300ms", "--pid-file", pidfile] + (extra or [])
         env = dict(self.env)
         env.update({e["name"]: self.local(e["value"]) for e in c.get("env", []) if "value" in e})
+        if real:
+            env.update(real[1])
         p = self.spawn(name, argv, env)
         self.engine_argv[name] = (argv, env)
         return p, pport, pidfile, sup

@@ -502,7 +502,7 @@ enum Stage {
 }
 
 /// Fence by death. A stop (`urgent` false): SIGTERM to the engine's main process first; once
-/// it has exited, SIGTERM to the rest of the tree; SIGKILL to everything once `grace` has
+/// it has exited, SIGKILL to what is left of the tree; SIGKILL to everything once `grace` has
 /// passed. Urgent: SIGKILL to the process group and every descendant of this process at once.
 /// Reaps every zombie and repeats until the kernel says we have no child left (we are a child
 /// subreaper, so that means no descendant is left anywhere). Only after this returns may the
@@ -514,7 +514,7 @@ pub async fn fence(engine: &mut Engine, urgent: bool, grace: Duration) -> FenceR
     let mut stage = if urgent {
         Stage::Tree(Signal::SIGKILL)
     } else if engine.has_exited() {
-        Stage::Tree(Signal::SIGTERM)
+        Stage::Tree(Signal::SIGKILL)
     } else {
         Stage::Main
     };
@@ -582,8 +582,14 @@ pub async fn fence(engine: &mut Engine, urgent: bool, grace: Duration) -> FenceR
             break;
         }
         if stage == Stage::Main && engine.exit_status.is_some() {
-            stage = Stage::Tree(Signal::SIGTERM);
+            // The main process has shut down (and its own children, if it takes care of
+            // them): what is left is a straggler that can only delay the handover, e.g. a
+            // detached worker that ignores SIGTERM and would cost the whole grace.
+            stage = Stage::Tree(Signal::SIGKILL);
             tree = tree_pids();
+            if !tree.is_empty() {
+                tracing::info!(pids = ?tree, "engine's main process exited; killing what is left of its tree");
+            }
             continue;
         }
         let now = Instant::now();

@@ -26,6 +26,41 @@ const KINDS: [&str; 6] = [
     "revoke",
 ];
 
+/// How a real engine's life ends, with fake-engine modelling vLLM: a dead first child or
+/// leaf makes `/health` 503 (the supervisor fences after `--unhealthy-after` failed checks, well
+/// before fake-engine's own exit 2 s later); a stop hands over without waiting for the grace.
+#[test]
+fn engine_ends_fail_over_quickly_with_zero_violations() {
+    let _g = harness::serial();
+    let bins = bins();
+    let r = drill(
+        &bins,
+        &["--iterations", "8", "--kinds", "engine-ends", "--plain"],
+        &[],
+        Duration::from_secs(120),
+    );
+    let ctx = format!("stdout:\n{}\nstderr:\n{}", r.stdout, r.stderr);
+    assert_eq!(r.code, 0, "{ctx}");
+    assert_eq!(r.report["total_violations"], 0, "{ctx}");
+    assert_eq!(r.report["completed_rounds"], 8, "{ctx}");
+    let summary = r.report["summary"].as_array().expect("summary");
+    for (k, bound_ms) in [
+        ("engine-kill", 1000.0),
+        ("engine-child-kill", 1500.0),
+        ("worker-kill", 1500.0),
+        // The stop grace is 10 s: a stop that waited for it would show here.
+        ("stop", 1000.0),
+    ] {
+        let s = summary
+            .iter()
+            .find(|s| s["kind"] == k)
+            .unwrap_or_else(|| panic!("no {k}\n{ctx}"));
+        assert_eq!(s["count"], 2, "{k}\n{ctx}");
+        let max = s["max_ms"].as_f64().expect("max_ms");
+        assert!(max > 0.0 && max < bound_ms, "{k}: max {max} ms\n{ctx}");
+    }
+}
+
 #[test]
 fn short_drill_covers_every_kind_with_zero_violations() {
     let _g = harness::serial();
