@@ -49,15 +49,22 @@ pub struct Leftovers {
     gap: Duration,
 }
 
+/// The longest private `TMPDIR` path used. Engines make Unix sockets in `TMPDIR` and a socket
+/// path holds at most 107 bytes (`sun_path`): vLLM's ZMQ IPC sockets are `TMPDIR/<uuid4>`
+/// (37 more bytes), and vLLM fails to start with "ipc path … is longer than 107 characters"
+/// under a longer directory.
+pub const MAX_TMPDIR_LEN: usize = 64;
+
 /// The private `TMPDIR` name of incarnation `inc` of engine `engine_id` in this supervisor
-/// process: its pid and start time tell a later supervisor whether its owner is gone.
+/// process: its pid and start time tell a later supervisor whether its owner is gone. Short:
+/// see [`MAX_TMPDIR_LEN`].
 fn tmpdir_name(engine_id: u32, pid: i32, start_time: u64, inc: u32) -> String {
-    format!("supervisor-engine{engine_id}-{pid}-{start_time}-{inc}")
+    format!("failover-{engine_id}-{pid}-{start_time}-{inc}")
 }
 
 /// Parse a name made by [`tmpdir_name`] for `engine_id`: (pid, start time).
 fn parse_tmpdir_name(name: &str, engine_id: u32) -> Option<(i32, u64)> {
-    let rest = name.strip_prefix(&format!("supervisor-engine{engine_id}-"))?;
+    let rest = name.strip_prefix(&format!("failover-{engine_id}-"))?;
     let mut it = rest.split('-');
     let pid = it.next()?.parse().ok()?;
     let start = it.next()?.parse().ok()?;
@@ -91,6 +98,10 @@ impl Leftovers {
             let me = std::process::id() as i32;
             let start = procfs::stat(me).map_or(0, |s| s.start_time);
             let dir = b.join(tmpdir_name(engine_id, me, start, inc));
+            if dir.as_os_str().len() > MAX_TMPDIR_LEN {
+                tracing::warn!(dir = %dir.display(), max = MAX_TMPDIR_LEN, "the engine's private TMPDIR would be too long for the Unix sockets engines make in it (107 bytes with vLLM's names); the engine keeps the supervisor's TMPDIR: set --engine-tmpdir to a shorter directory");
+                return None;
+            }
             match std::fs::create_dir_all(&dir) {
                 Ok(()) => Some(dir),
                 Err(e) => {
@@ -265,8 +276,23 @@ mod tests {
         assert_eq!(parse_tmpdir_name(&n, 3), Some((4242, 987654)));
         assert_eq!(parse_tmpdir_name(&n, 30), None);
         assert_eq!(parse_tmpdir_name(&tmpdir_name(30, 1, 2, 3), 3), None);
-        assert_eq!(parse_tmpdir_name("supervisor-engine3-x-1-2", 3), None);
-        assert_eq!(parse_tmpdir_name("supervisor-engine3-1-2-3-4", 3), None);
+        assert_eq!(parse_tmpdir_name("failover-3-x-1-2", 3), None);
+        assert_eq!(parse_tmpdir_name("failover-3-1-2-3-4", 3), None);
+    }
+
+    /// A base directory that would make the engine's socket paths too long gets no private
+    /// TMPDIR (vLLM would not start), and nothing is created there.
+    #[test]
+    fn a_too_long_tmpdir_is_refused() {
+        let shm = tempfile::tempdir().unwrap();
+        let base = tempfile::tempdir().unwrap();
+        let deep = base.path().join("x".repeat(MAX_TMPDIR_LEN));
+        let l = Leftovers::prepare(Some(&deep), shm.path(), 0, 1);
+        assert!(l.tmpdir().is_none());
+        assert!(!deep.exists());
+        // The default (/tmp) is well within the limit.
+        let d = Path::new("/tmp").join(tmpdir_name(99, i32::MAX, u64::MAX, u32::MAX));
+        assert!(d.as_os_str().len() <= MAX_TMPDIR_LEN, "{}", d.display());
     }
 
     /// A real process maps a file in a stand-in for /dev/shm: it is recorded and removed after

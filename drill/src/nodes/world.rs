@@ -349,7 +349,7 @@ impl World {
             .args(["--health-interval", "200ms", "--startup-poll", "20ms"])
             .args(["--restart", "never"])
             .arg("--engine-tmpdir")
-            .arg(node.dir.join("engine-tmp"));
+            .arg(node.dir.join("t"));
         if let Some(w) = self.cfg.watchdog {
             c.arg("--lock-watchdog").arg(fmt(w));
         }

@@ -261,7 +261,8 @@ impl Launch<'_> {
             // The engines' private TMPDIRs in the drill's own directory: a SIGKILLed
             // supervisor's is swept by its successor, the last one with the directory.
             .arg("--engine-tmpdir")
-            .arg(self.dir.join("engine-tmp"));
+            // Short: engines make Unix sockets there (leftovers::MAX_TMPDIR_LEN).
+            .arg(self.dir.join("t"));
         // The drill emulates kubelet's container restarts itself (kubelet.rs): each side's
         // supervisor exits after fencing, as the first version did. Adapting the drill to
         // supervisors that re-arm their engine (`--restart on-failure`, the default) is later

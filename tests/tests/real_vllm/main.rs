@@ -120,7 +120,7 @@ fn real_vllm_pod_survives_every_kill_kind() {
     let shm = Path::new("/dev/shm");
     let shm_before = vllm_entries(shm);
     let c = Cluster::new(Duration::from_secs(2));
-    let tmp_base = c.dir.path().join("engine-tmp");
+    let tmp_base = c.dir.path().join("t");
     std::fs::create_dir_all(&tmp_base).unwrap();
     let tmp_arg = tmp_base.to_string_lossy().into_owned();
     let opts = |id, role| {
