@@ -22,6 +22,11 @@ pub const EARLY_RELEASE_ENV: &str = "SUPERVISOR_PLANTED_BUG_EARLY_RELEASE";
 /// process holds the lease, so workers that outlive the engine are not covered).
 pub const NO_ANCHOR_ENV: &str = "SUPERVISOR_PLANTED_BUG_NO_ANCHOR";
 
+/// `SUPERVISOR_PLANTED_BUG_KILL_TRACKER=1`: a fence SIGKILLs Python's resource tracker with
+/// the rest of the tree instead of sparing it, so that the shared memory registered with it
+/// stays in /dev/shm (`process::fence`).
+pub const KILL_TRACKER_ENV: &str = "SUPERVISOR_PLANTED_BUG_KILL_TRACKER";
+
 /// Whether `var` is set to something other than empty, `0` or `false`.
 fn switched_on(var: &str) -> bool {
     std::env::var(var)
@@ -33,7 +38,7 @@ fn switched_on(var: &str) -> bool {
 /// carries the bugs (they will act), as a warning when it does not (a release build ignores
 /// them).
 pub fn announce() {
-    for var in [EARLY_RELEASE_ENV, NO_ANCHOR_ENV] {
+    for var in [EARLY_RELEASE_ENV, NO_ANCHOR_ENV, KILL_TRACKER_ENV] {
         if !switched_on(var) {
             continue;
         }
@@ -55,6 +60,12 @@ pub fn announce() {
 #[cfg(any(debug_assertions, feature = "planted-bugs"))]
 pub fn planted_bug_no_anchor() -> bool {
     switched_on(NO_ANCHOR_ENV)
+}
+
+/// Whether [`KILL_TRACKER_ENV`] is set to a true value.
+#[cfg(any(debug_assertions, feature = "planted-bugs"))]
+pub fn planted_bug_kill_tracker() -> bool {
+    switched_on(KILL_TRACKER_ENV)
 }
 
 /// TEST-ONLY planted bug: when [`EARLY_RELEASE_ENV`] is `1` (or a duration, e.g. `2s`), the

@@ -452,7 +452,8 @@ pub struct FenceReport {
     pub duration: Duration,
     /// Distinct processes signalled.
     pub signalled: usize,
-    /// Whether SIGKILL had to be used (immediately when urgent, or after the grace period).
+    /// Whether SIGKILL had to be used (immediately when urgent, on what is left of the tree
+    /// once a stopped engine's main process exited, or after the grace period).
     pub escalated: bool,
     /// Processes reaped (engine included).
     pub reaped: usize,
@@ -467,6 +468,9 @@ pub struct FenceReport {
     /// When the engine's main process was reaped, from the start of fencing (None: it had
     /// been reaped before).
     pub engine_exited_after: Option<Duration>,
+    /// How long a Python resource tracker outlived the rest of the tree while it cleaned up
+    /// (None: the tree had none).
+    pub tracker_alone: Option<Duration>,
 }
 
 fn signal(pid: i32, sig: Signal) {
@@ -497,8 +501,75 @@ enum Stage {
     /// requests it has open; signalled together with them, it instead waits for client
     /// connections that its dead EngineCore can never finish, until the SIGKILL at the grace.
     Main,
-    /// The whole tree (process group and every descendant) with this signal.
-    Tree(Signal),
+    /// SIGKILL to the process group and every descendant.
+    Kill,
+}
+
+/// Python resource trackers among the tree's processes, and since when they alone are left.
+#[derive(Debug, Default)]
+struct Trackers {
+    seen: bool,
+    alone_since: Option<Instant>,
+}
+
+impl Trackers {
+    /// Split `tree` into (resource trackers, the rest), noting when the rest is all dead.
+    fn split(&mut self, tree: &[i32]) -> (Vec<i32>, Vec<i32>) {
+        let (trackers, rest): (Vec<i32>, Vec<i32>) =
+            tree.iter().partition(|p| is_resource_tracker(**p));
+        self.seen |= !trackers.is_empty();
+        if self.alone_since.is_none() && !rest.iter().any(|p| procfs::alive(*p)) {
+            self.alone_since = Some(Instant::now());
+        }
+        (trackers, rest)
+    }
+
+    /// Whether a tracker is still spared a SIGKILL: while other processes of the tree live
+    /// (it cleans up only once every process holding its pipe is gone), then for at most
+    /// [`TRACKER_GRACE`].
+    fn spare(&self) -> bool {
+        #[cfg(any(debug_assertions, feature = "planted-bugs"))]
+        if crate::fault::planted_bug_kill_tracker() {
+            return false;
+        }
+        self.alone_since.is_none_or(|t| t.elapsed() < TRACKER_GRACE)
+    }
+}
+
+/// One round of signals for `stage`. Python's resource trackers are spared a SIGKILL while
+/// [`Trackers::spare`] says so (a tracker ignores SIGTERM and unlinks the shared memory and
+/// semaphores registered with it at end-of-file of its pipe; a SIGKILL would leave them in
+/// /dev/shm), and the process group, which holds them, is then not signalled.
+fn send(
+    stage: Stage,
+    engine: &Engine,
+    tree: &[i32],
+    trackers: &mut Trackers,
+    signalled: &mut HashSet<(i32, Signal)>,
+) {
+    match stage {
+        Stage::Main => {
+            if engine.exit_status.is_none() && signalled.insert((engine.pid, Signal::SIGTERM)) {
+                signal(engine.pid, Signal::SIGTERM);
+            }
+        }
+        Stage::Kill => {
+            let (spared, rest) = trackers.split(tree);
+            let spare = trackers.spare() && !spared.is_empty();
+            // The group id stays reserved while the engine is unreaped; once reaped, a
+            // recycled pid could name someone else's group, so the group is only signalled
+            // before that.
+            if !spare && engine.exit_status.is_none() {
+                signalled.insert((-engine.pid, Signal::SIGKILL));
+                let _ = signal::killpg(Pid::from_raw(engine.pid), Signal::SIGKILL);
+            }
+            let targets = if spare { &rest[..] } else { tree };
+            for p in targets {
+                signalled.insert((*p, Signal::SIGKILL));
+                signal(*p, Signal::SIGKILL);
+            }
+        }
+    }
 }
 
 /// Fence by death. A stop (`urgent` false): SIGTERM to the engine's main process first; once
@@ -510,67 +581,29 @@ enum Stage {
 /// holds the GPU, so the lock must stay held (a warning is logged every second).
 pub async fn fence(engine: &mut Engine, urgent: bool, grace: Duration) -> FenceReport {
     let start = Instant::now();
-    let mut report = FenceReport::default();
-    let mut stage = if urgent {
-        Stage::Tree(Signal::SIGKILL)
-    } else if engine.has_exited() {
-        Stage::Tree(Signal::SIGKILL)
+    let mut report = FenceReport {
+        escalated: urgent,
+        ..FenceReport::default()
+    };
+    let mut stage = if urgent || engine.has_exited() {
+        Stage::Kill
     } else {
         Stage::Main
     };
-    report.escalated = urgent;
     let kill_at = start + grace;
     let mut signalled: HashSet<(i32, Signal)> = HashSet::new();
+    let mut trackers = Trackers::default();
     let mut last_warn = start;
     let mut tree = tree_pids();
     report.alive_at_start = tree.iter().filter(|p| procfs::alive(**p)).count();
     let mut seen: Vec<i32> = vec![engine.pid];
-    let mut tracker_alone_since: Option<Instant> = None;
     loop {
         for p in &tree {
             if !seen.contains(p) {
                 seen.push(*p);
             }
         }
-        // Spare Python's resource trackers from a SIGKILL while other engine processes
-        // live: a tracker unlinks the shared memory and semaphores registered with it once
-        // every process holding its pipe is gone (it ignores SIGTERM), which a SIGKILL would
-        // leave in /dev/shm. Bounded by TRACKER_GRACE once it is alone.
-        let others_alive = tree
-            .iter()
-            .any(|p| !is_resource_tracker(*p) && procfs::alive(*p));
-        if !others_alive && tracker_alone_since.is_none() {
-            tracker_alone_since = Some(Instant::now());
-        }
-        let spare = tracker_alone_since.is_none_or(|t| t.elapsed() < TRACKER_GRACE);
-        match stage {
-            Stage::Tree(Signal::SIGKILL)
-                if spare && tree.iter().any(|p| is_resource_tracker(*p)) =>
-            {
-                for p in tree.iter().filter(|p| !is_resource_tracker(**p)) {
-                    signal(*p, Signal::SIGKILL);
-                    signalled.insert((*p, Signal::SIGKILL));
-                }
-            }
-            Stage::Main => {
-                if engine.exit_status.is_none() && signalled.insert((engine.pid, Signal::SIGTERM)) {
-                    signal(engine.pid, Signal::SIGTERM);
-                }
-            }
-            Stage::Tree(sig) => {
-                // The group id stays reserved while the engine is unreaped; once reaped, a
-                // recycled pid could name someone else's group, so the group is only
-                // signalled before that.
-                if engine.exit_status.is_none() && signalled.insert((-engine.pid, sig)) {
-                    let _ = signal::killpg(Pid::from_raw(engine.pid), sig);
-                }
-                for p in &tree {
-                    if signalled.insert((*p, sig)) || sig == Signal::SIGKILL {
-                        signal(*p, sig);
-                    }
-                }
-            }
-        }
+        send(stage, engine, &tree, &mut trackers, &mut signalled);
         for (pid, st) in reap_all() {
             report.reaped += 1;
             if pid == engine.pid {
@@ -581,33 +614,31 @@ pub async fn fence(engine: &mut Engine, urgent: bool, grace: Duration) -> FenceR
         if !has_children() {
             break;
         }
+        // Descendants forked since the last look are signalled in the next round.
+        tree = tree_pids();
+        let now = Instant::now();
         if stage == Stage::Main && engine.exit_status.is_some() {
             // The main process has shut down (and its own children, if it takes care of
             // them): what is left is a straggler that can only delay the handover, e.g. a
             // detached worker that ignores SIGTERM and would cost the whole grace.
-            stage = Stage::Tree(Signal::SIGKILL);
-            tree = tree_pids();
-            if !tree.is_empty() {
-                tracing::info!(pids = ?tree, "engine's main process exited; killing what is left of its tree");
-            }
+            stage = Stage::Kill;
+            report.escalated = true;
+            tracing::info!(pids = ?tree, "engine's main process exited; killing what is left of its tree");
             continue;
         }
-        let now = Instant::now();
-        if stage != Stage::Tree(Signal::SIGKILL) && now >= kill_at {
+        if stage == Stage::Main && now >= kill_at {
             tracing::warn!(
                 remaining = tree.len(),
                 grace_ms = grace.as_millis() as u64,
-                engine_exited = engine.exit_status.is_some(),
-                "engine tree still alive after grace period; sending SIGKILL"
+                "engine still alive after grace period; sending SIGKILL"
             );
-            stage = Stage::Tree(Signal::SIGKILL);
+            stage = Stage::Kill;
             report.escalated = true;
         } else if now.duration_since(last_warn) >= Duration::from_secs(1) {
             last_warn = now;
             tracing::warn!(pids = ?tree, main_first = stage == Stage::Main, "still waiting for engine processes to die");
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
-        tree = tree_pids();
     }
     report.signalled = signalled
         .iter()
@@ -615,6 +646,10 @@ pub async fn fence(engine: &mut Engine, urgent: bool, grace: Duration) -> FenceR
         .collect::<HashSet<_>>()
         .len();
     report.duration = start.elapsed();
+    report.tracker_alone = trackers
+        .alone_since
+        .filter(|_| trackers.seen)
+        .map(|t| t.elapsed());
     report.engine_status = engine.exit_status;
     report.pids = seen;
     report

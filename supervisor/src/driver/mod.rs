@@ -951,6 +951,7 @@ async fn run_incarnation(
     tracing::info!(
         duration_ms = report.duration.as_secs_f64() * 1000.0,
         engine_exited_ms = report.engine_exited_after.map(|d| d.as_secs_f64() * 1000.0),
+        tracker_alone_ms = report.tracker_alone.map(|d| d.as_secs_f64() * 1000.0),
         signalled = report.signalled,
         reaped = report.reaped,
         escalated = report.escalated,

@@ -14,12 +14,24 @@ use supervisor::process::{
     EngineSpec, ProcessEnd,
 };
 
-/// A shell that starts a detached (setsid), SIGTERM-ignoring grandchild. Fencing with a grace
-/// period must escalate to SIGKILL, kill both, reap everything, and leave no child at all.
+/// A shell that starts a detached (setsid), SIGTERM-ignoring grandchild. A stop signals the
+/// shell alone; once it has exited, the grandchild is SIGKILLed at once (not after the grace
+/// period: it could only delay the handover); everything is reaped and no child is left.
 #[tokio::test]
 async fn fence_kills_detached_grandchildren() {
+    fence_detached_grandchild("sleep 30", false).await;
+}
+
+/// The same, but the engine's main process ignores SIGTERM too: everything is SIGKILLed when
+/// the grace period ends.
+#[tokio::test]
+async fn fence_escalates_after_the_grace_when_the_main_process_ignores_sigterm() {
+    fence_detached_grandchild("trap '' TERM; sleep 30", true).await;
+}
+
+async fn fence_detached_grandchild(then: &str, main_ignores_term: bool) {
     let _guard = serial();
-    let mut eng = engine_with_a_detached_grandchild("sleep 30");
+    let mut eng = engine_with_a_detached_grandchild(then);
     let t = Instant::now();
     while live_descendants().len() < 3 && t.elapsed() < Duration::from_secs(5) {
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -42,6 +54,16 @@ async fn fence_kills_detached_grandchildren() {
         "children lists missed {full:?} vs {fast:?}"
     );
     assert!(has_children());
+    if main_ignores_term {
+        let t = Instant::now();
+        while !ignores_sigterm(eng.pid) {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "the main process never ignored SIGTERM"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
     let report = fence(&mut eng, false, Duration::from_millis(300)).await;
     assert!(
         report.escalated,
@@ -51,7 +73,13 @@ async fn fence_kills_detached_grandchildren() {
     assert!(live_descendants().is_empty());
     assert!(!has_children());
     assert!(report.engine_status.is_some());
-    assert!(report.duration >= Duration::from_millis(250));
+    if main_ignores_term {
+        assert!(report.duration >= Duration::from_millis(250), "{report:?}");
+        assert_eq!(report.engine_status, Some(ProcessEnd::Signaled(9)));
+    } else {
+        assert!(report.duration < Duration::from_millis(250), "{report:?}");
+        assert_eq!(report.engine_status, Some(ProcessEnd::Signaled(15)));
+    }
     assert!(eng.has_exited());
 }
 
@@ -70,6 +98,68 @@ async fn urgent_fence_does_not_wait_for_the_grace_period() {
         Some("exit 0")
     );
     assert!(!has_children());
+}
+
+/// A real Python resource tracker (Python's `multiprocessing`, which vLLM's processes use):
+/// an urgent fence spares it until the rest of the tree is dead, and it then unlinks the
+/// shared memory registered with it. With the planted bug (the tracker SIGKILLed with the
+/// rest), the shared memory stays behind: the check can fail.
+#[tokio::test]
+async fn urgent_fence_lets_pythons_resource_tracker_unlink_shared_memory() {
+    let _guard = serial();
+    let left = fence_a_python_tree_with_shared_memory(false).await;
+    assert!(
+        !left,
+        "the resource tracker did not unlink the shared memory"
+    );
+    std::env::set_var(supervisor::fault::KILL_TRACKER_ENV, "1");
+    let left = fence_a_python_tree_with_shared_memory(true).await;
+    std::env::remove_var(supervisor::fault::KILL_TRACKER_ENV);
+    assert!(
+        left,
+        "with the tracker SIGKILLed, its shared memory should stay"
+    );
+}
+
+/// Start `python3` creating a named shared memory segment (which starts the resource tracker)
+/// and sleeping, fence it urgently, return whether the segment is still in /dev/shm (removed
+/// in any case before returning).
+async fn fence_a_python_tree_with_shared_memory(planted: bool) -> bool {
+    become_subreaper().unwrap();
+    reap_leftovers();
+    let name = format!("psm_fencetest_{}_{planted}", std::process::id());
+    let path = std::path::Path::new("/dev/shm").join(&name);
+    let script = format!(
+        "from multiprocessing import shared_memory\nimport time\nshared_memory.SharedMemory(name='{name}', create=True, size=4096)\ntime.sleep(60)"
+    );
+    let spec = EngineSpec {
+        argv: vec!["python3".into(), "-c".into(), script.into()],
+        env: vec![],
+        pid_namespace: false,
+    };
+    let mut eng = spawn_engine(&spec, &[]).unwrap();
+    let t = Instant::now();
+    let tracker = || {
+        live_descendants()
+            .iter()
+            .any(|p| procfs::cmdline(p.pid).contains("multiprocessing.resource_tracker"))
+    };
+    while !(path.exists() && tracker()) {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "no shared memory and resource tracker"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let report = fence(&mut eng, true, Duration::from_secs(30)).await;
+    assert!(!has_children());
+    if !planted {
+        // Spared, the tracker outlived the rest of the tree.
+        assert!(report.tracker_alone.is_some(), "{report:?}");
+    }
+    let left = path.exists();
+    let _ = std::fs::remove_file(&path);
+    left
 }
 
 /// Makes this process a subreaper, reaps earlier tests' leftovers, and starts an engine
