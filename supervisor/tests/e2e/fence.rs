@@ -152,13 +152,13 @@ async fn fence_a_python_tree_with_shared_memory(planted: bool) -> bool {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let report = fence(&mut eng, true, Duration::from_secs(30)).await;
+    let left = path.exists();
+    let _ = std::fs::remove_file(&path);
     assert!(!has_children());
     if !planted {
         // Spared, the tracker outlived the rest of the tree.
         assert!(report.tracker_alone.is_some(), "{report:?}");
     }
-    let left = path.exists();
-    let _ = std::fs::remove_file(&path);
     left
 }
 
