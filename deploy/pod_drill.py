@@ -71,7 +71,8 @@ FAILOVER = {"engine-kill", "supervisor-kill", "double-kill", "revoke", "stop", "
             "worker-kill"}
 # How tests/real-vllm starts vLLM's CPU build (harness/src/vllm.rs, RealVllm::argv / env).
 VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def vllm_argv(real_dir: str, model: str):

@@ -95,8 +95,12 @@ impl RealVllm {
             ("HF_HUB_OFFLINE", "1"),
             ("TRANSFORMERS_OFFLINE", "1"),
             ("DO_NOT_TRACK", "1"),
-            // Two engines on two cores: one OpenMP thread each keeps them from thrashing.
+            // Two engines on two cores: one OpenMP thread each keeps them from thrashing, and
+            // no binding: vLLM's `auto` binds every engine's OpenMP thread to the same core
+            // (vllm/utils/ompmultiprocessing.py), so a cold start crawled beside a serving
+            // engine (over 10 minutes in the pod drill).
             ("OMP_NUM_THREADS", "1"),
+            ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
         ]
     }
 }
