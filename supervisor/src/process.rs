@@ -478,6 +478,12 @@ fn signal(pid: i32, sig: Signal) {
     let _ = signal::kill(Pid::from_raw(pid), sig);
 }
 
+/// How long a stopped engine's main process may outlive the rest of its tree (trackers
+/// aside) before it is SIGKILLed. vLLM's API server kills its EngineCore and workers itself
+/// when stopped, then may wait for ever for a client whose stream its dead EngineCore will
+/// never finish; it has nothing left to serve or drain (a drain keeps the EngineCore alive).
+const MAIN_ALONE_GRACE: Duration = Duration::from_millis(500);
+
 /// How long a fence waits for a Python resource tracker to clean up and exit by itself once
 /// every other process of the tree is gone.
 const TRACKER_GRACE: Duration = Duration::from_secs(1);
@@ -533,6 +539,39 @@ impl Trackers {
             return false;
         }
         self.alone_since.is_none_or(|t| t.elapsed() < TRACKER_GRACE)
+    }
+}
+
+/// Whether a stopped engine's main process has outlived the rest of its tree (Python's
+/// resource trackers aside) by [`MAIN_ALONE_GRACE`]. Only a tree that had other processes when
+/// the fence began qualifies: a single-process engine may drain as long as the grace allows.
+#[derive(Debug)]
+struct MainAlone {
+    main: i32,
+    had_others: bool,
+    since: Option<Instant>,
+}
+
+impl MainAlone {
+    fn new(main: i32, tree: &[i32]) -> MainAlone {
+        MainAlone {
+            main,
+            had_others: Self::others_alive(main, tree),
+            since: None,
+        }
+    }
+
+    fn others_alive(main: i32, tree: &[i32]) -> bool {
+        tree.iter()
+            .any(|p| *p != main && procfs::alive(*p) && !is_resource_tracker(*p))
+    }
+
+    fn overdue(&mut self, tree: &[i32], now: Instant) -> bool {
+        if !self.had_others || Self::others_alive(self.main, tree) {
+            self.since = None;
+            return false;
+        }
+        now.duration_since(*self.since.get_or_insert(now)) >= MAIN_ALONE_GRACE
     }
 }
 
@@ -597,6 +636,7 @@ pub async fn fence(engine: &mut Engine, urgent: bool, grace: Duration) -> FenceR
     let mut tree = tree_pids();
     report.alive_at_start = tree.iter().filter(|p| procfs::alive(**p)).count();
     let mut seen: Vec<i32> = vec![engine.pid];
+    let mut main_alone = MainAlone::new(engine.pid, &tree);
     loop {
         for p in &tree {
             if !seen.contains(p) {
@@ -624,6 +664,15 @@ pub async fn fence(engine: &mut Engine, urgent: bool, grace: Duration) -> FenceR
             stage = Stage::Kill;
             report.escalated = true;
             tracing::info!(pids = ?tree, "engine's main process exited; killing what is left of its tree");
+            continue;
+        }
+        if stage == Stage::Main && main_alone.overdue(&tree, now) {
+            tracing::warn!(
+                after_ms = MAIN_ALONE_GRACE.as_millis() as u64,
+                "the engine's main process outlived the rest of its tree; killing it"
+            );
+            stage = Stage::Kill;
+            report.escalated = true;
             continue;
         }
         if stage == Stage::Main && now >= kill_at {

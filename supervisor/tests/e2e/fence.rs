@@ -83,6 +83,49 @@ async fn fence_detached_grandchild(then: &str, main_ignores_term: bool) {
     assert!(eng.has_exited());
 }
 
+/// A stopped main process that kills its own child and then hangs (as vLLM's API server does
+/// when a client's stream can never finish): it is SIGKILLed once it has outlived its tree by
+/// half a second, not at the end of the grace.
+#[tokio::test]
+async fn a_main_process_that_outlives_its_tree_is_killed_long_before_the_grace() {
+    let _guard = serial();
+    become_subreaper().unwrap();
+    reap_leftovers();
+    let spec = EngineSpec {
+        argv: vec![
+            "python3".into(),
+            "-c".into(),
+            "import signal, subprocess, time\nc = subprocess.Popen(['sleep', '100'])\nsignal.signal(signal.SIGTERM, lambda *_: c.kill())\nwhile True: time.sleep(1)".into(),
+        ],
+        env: vec![],
+        pid_namespace: false,
+    };
+    let mut eng = spawn_engine(&spec, &[]).unwrap();
+    let t = Instant::now();
+    while live_descendants().len() < 2 || !ignores_or_handles_term(eng.pid) {
+        assert!(t.elapsed() < Duration::from_secs(5), "tree did not start");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let report = fence(&mut eng, false, Duration::from_secs(10)).await;
+    assert!(report.escalated, "{report:?}");
+    assert!(report.duration >= Duration::from_millis(450), "{report:?}");
+    assert!(report.duration < Duration::from_secs(3), "{report:?}");
+    assert_eq!(report.engine_status, Some(ProcessEnd::Signaled(9)));
+    assert!(!has_children());
+}
+
+/// Whether `pid` has a handler for SIGTERM (`SigCgt` in /proc/PID/status).
+fn ignores_or_handles_term(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("SigCgt:"))
+                .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+        })
+        .is_some_and(|m| m & (1 << (Signal::SIGTERM as i32 - 1)) != 0)
+}
+
 /// Urgent fencing of an engine that already died: its orphans are SIGKILLed at once.
 #[tokio::test]
 async fn urgent_fence_does_not_wait_for_the_grace_period() {

@@ -8,7 +8,8 @@
 //!   before, the old side comes back as a sleeping shadow; a request sent to the sleeping
 //!   shadow before the first kill is answered after its wake;
 //! * SIGTERM of the Active supervisor with a stream open: the shadow Active within
-//!   [`STOP_BOUND`], the stream closed by the engine (not cut), the supervisor exits 0;
+//!   [`STOP_BOUND`], the stream ended (closed by vLLM, or cut when vLLM leaves it open), the
+//!   supervisor exits 0;
 //! * the adapter's level-1 and level-2 sleep/wake sequences against the real server;
 //! * nothing left behind: no process, no `/dev/shm` entry, no private `TMPDIR`.
 //!
@@ -265,10 +266,23 @@ fn real_vllm_pod_survives_every_kill_kind() {
         ms(new.mark(MarkKind::LockGranted)),
         took.as_secs_f64() * 1e3
     );
-    let end = open.finish(Duration::from_secs(10));
+    // vLLM 0.32 closes an open stream with `[DONE]` (finish_reason "abort") on SIGTERM, but
+    // not always: when its output handler dies with the EngineCore first, the stream stays
+    // open and the API server waits for the client; the supervisor SIGKILLs it half a second
+    // after the rest of its tree is gone (MAIN_ALONE_GRACE) and the stream is cut. Either
+    // way it must have ended, long before the stop grace (10 s).
+    let end = open.finish(Duration::from_secs(5));
     assert!(
-        end.done && end.events >= 2,
-        "the stream was cut instead of closed: {end:?}"
+        end.ended && end.events >= 1,
+        "the stream is still open: {end:?}"
+    );
+    eprintln!(
+        "the stream at the stop: {}",
+        if end.done {
+            "closed by vLLM with [DONE]"
+        } else {
+            "cut (vLLM did not close it)"
+        }
     );
     eprintln!(
         "stream at the stop: {} events, last: {}",

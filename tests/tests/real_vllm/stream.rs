@@ -23,6 +23,8 @@ pub struct End {
     pub events: usize,
     /// The last event (truncated).
     pub last: String,
+    /// The connection ended (closed by the server, or cut) within the wait.
+    pub ended: bool,
 }
 
 /// POST a streamed completion of `max_tokens` and return once its first event has arrived.
@@ -67,7 +69,7 @@ pub fn open(engine: SocketAddr, prompt: &str, max_tokens: u32) -> Result<Open, S
 impl Open {
     /// Wait (bounded) for the stream to end; how it ended.
     pub fn finish(self, timeout: Duration) -> End {
-        let _ = harness::wait_until(timeout, Duration::from_millis(10), || {
+        let ended = harness::wait_until(timeout, Duration::from_millis(10), || {
             self.reader.is_finished()
         });
         let text = self.text.lock().unwrap().clone();
@@ -75,6 +77,7 @@ impl Open {
         End {
             done: text.contains("data: [DONE]"),
             events: events.len(),
+            ended,
             last: events
                 .last()
                 .map(|e| e.chars().take(300).collect())
