@@ -102,7 +102,7 @@ async fn a_main_process_that_outlives_its_tree_is_killed_long_before_the_grace()
     };
     let mut eng = spawn_engine(&spec, &[]).unwrap();
     let t = Instant::now();
-    while live_descendants().len() < 2 || !ignores_or_handles_term(eng.pid) {
+    while live_descendants().len() < 2 || !term_in_mask(eng.pid, "SigCgt:") {
         assert!(t.elapsed() < Duration::from_secs(5), "tree did not start");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -112,18 +112,6 @@ async fn a_main_process_that_outlives_its_tree_is_killed_long_before_the_grace()
     assert!(report.duration < Duration::from_secs(3), "{report:?}");
     assert_eq!(report.engine_status, Some(ProcessEnd::Signaled(9)));
     assert!(!has_children());
-}
-
-/// Whether `pid` has a handler for SIGTERM (`SigCgt` in /proc/PID/status).
-fn ignores_or_handles_term(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("SigCgt:"))
-                .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
-        })
-        .is_some_and(|m| m & (1 << (Signal::SIGTERM as i32 - 1)) != 0)
 }
 
 /// Urgent fencing of an engine that already died: its orphans are SIGKILLed at once.
@@ -225,12 +213,17 @@ fn engine_with_a_detached_grandchild(then: &str) -> Engine {
 
 /// Whether `pid` ignores SIGTERM, from the `SigIgn` mask in /proc/PID/status.
 fn ignores_sigterm(pid: i32) -> bool {
+    term_in_mask(pid, "SigIgn:")
+}
+
+/// Whether SIGTERM is in the signal mask `field` (`SigIgn:`, `SigCgt:`) of /proc/PID/status.
+fn term_in_mask(pid: i32, field: &str) -> bool {
     let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
         return false;
     };
     status
         .lines()
-        .find_map(|l| l.strip_prefix("SigIgn:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
         .is_some_and(|mask| mask & (1 << (Signal::SIGTERM as i32 - 1)) != 0)
 }
